@@ -1,0 +1,1 @@
+"""The reading side: registering pipelines, joining jobs, fetching elements from workers."""

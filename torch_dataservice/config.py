@@ -1,0 +1,131 @@
+"""Server configuration: frozen-at-start dataclasses validated where they are built."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+def _check_positive_ms(name: str, value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or value <= 0):
+        raise ValueError(f"{name} must be a positive number of milliseconds, got {value!r}")
+
+
+def _check_port(port: int) -> None:
+    if not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
+
+
+def _check_protocol(protocol: str) -> None:
+    if protocol != "grpc":
+        raise ValueError(f"protocol must be 'grpc', got {protocol!r}")
+
+
+@dataclass
+class DispatcherConfig:
+    """How a dispatcher runs. `port=0` picks a free port.
+
+    `worker_addresses` fixes the worker list that static sharding (FILE, DATA, FILE_OR_DATA,
+    HINT) needs: N is its length and a worker's index is its position. `fault_tolerant_mode`
+    journals every state change to `work_dir` so a restarted dispatcher loses nothing.
+    """
+
+    port: int = 0
+    protocol: str = "grpc"
+    work_dir: str | None = None
+    fault_tolerant_mode: bool = False
+    worker_addresses: list[str] | None = None
+    job_gc_check_interval_ms: int | None = None
+    job_gc_timeout_ms: int | None = None
+    worker_timeout_ms: int | None = None
+    host: str = "localhost"
+
+    def __post_init__(self) -> None:
+        _check_port(self.port)
+        _check_protocol(self.protocol)
+        if self.fault_tolerant_mode and not self.work_dir:
+            raise ValueError("fault_tolerant_mode=True requires a work_dir, got work_dir=None")
+        if self.worker_addresses is not None:
+            addresses = list(self.worker_addresses)
+            if not addresses or not all(isinstance(a, str) and a for a in addresses):
+                raise ValueError(
+                    f"worker_addresses must be a non-empty list of addresses, got {addresses!r}"
+                )
+            if len(set(addresses)) != len(addresses):
+                raise ValueError(f"worker_addresses has duplicates: {addresses!r}")
+            self.worker_addresses = addresses
+        _check_positive_ms("job_gc_check_interval_ms", self.job_gc_check_interval_ms)
+        _check_positive_ms("job_gc_timeout_ms", self.job_gc_timeout_ms)
+        _check_positive_ms("worker_timeout_ms", self.worker_timeout_ms)
+
+    @property
+    def effective_worker_timeout_ms(self) -> int:
+        return self.worker_timeout_ms or 10_000
+
+    @property
+    def effective_job_gc_check_interval_ms(self) -> int:
+        return self.job_gc_check_interval_ms or 1_000
+
+    @property
+    def effective_job_gc_timeout_ms(self) -> int:
+        return self.job_gc_timeout_ms or 300_000
+
+
+@dataclass
+class WorkerConfig:
+    """How a worker runs. `dispatcher_address` is `HOST:PORT` (no protocol).
+
+    `worker_address` is what the dispatcher tells clients (defaults to `host:port`);
+    `num_processes` is how many OS processes run pipelines (default: all cores; 0 runs them
+    in threads of this process, for debugging).
+    """
+
+    dispatcher_address: str
+    worker_address: str | None = None
+    port: int = 0
+    protocol: str = "grpc"
+    heartbeat_interval_ms: int | None = None
+    dispatcher_timeout_ms: int | None = None
+    num_processes: int | None = None
+    host: str = "localhost"
+    cross_trainer_cache_bytes: int = field(default=1 << 30)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dispatcher_address, str) or not self.dispatcher_address:
+            raise ValueError(
+                f"dispatcher_address must be HOST:PORT, got {self.dispatcher_address!r}")
+        if "://" in self.dispatcher_address:
+            raise ValueError(
+                f"dispatcher_address must be HOST:PORT without a protocol, "
+                f"got {self.dispatcher_address!r}"
+            )
+        _check_port(self.port)
+        _check_protocol(self.protocol)
+        _check_positive_ms("heartbeat_interval_ms", self.heartbeat_interval_ms)
+        _check_positive_ms("dispatcher_timeout_ms", self.dispatcher_timeout_ms)
+        if self.num_processes is not None and (
+            not isinstance(self.num_processes, int) or self.num_processes < 0
+        ):
+            raise ValueError(f"num_processes must be an int >= 0, got {self.num_processes!r}")
+        cache_bytes = self.cross_trainer_cache_bytes
+        if not isinstance(cache_bytes, int) or cache_bytes <= 0:
+            raise ValueError(
+                f"cross_trainer_cache_bytes must be a positive int, "
+                f"got {self.cross_trainer_cache_bytes!r}"
+            )
+
+    @property
+    def effective_num_processes(self) -> int:
+        if self.num_processes is not None:
+            return self.num_processes
+        if hasattr(os, "sched_getaffinity"):
+            return len(os.sched_getaffinity(0))
+        return os.cpu_count() or 1
+
+    @property
+    def effective_heartbeat_interval_ms(self) -> int:
+        return self.heartbeat_interval_ms or 500
+
+    @property
+    def effective_dispatcher_timeout_ms(self) -> int:
+        return self.dispatcher_timeout_ms or 60 * 60 * 1000

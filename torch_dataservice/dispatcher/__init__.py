@@ -1,0 +1,1 @@
+"""The dispatcher: control plane of the service (datasets, workers, jobs, iterations, splits)."""

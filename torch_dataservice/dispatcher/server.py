@@ -1,0 +1,96 @@
+"""DispatchServer: the dispatcher as an object a test, a script or the CLI can start and stop."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from torch_dataservice.config import DispatcherConfig
+from torch_dataservice.dispatcher.journal import Journal, NullJournal
+from torch_dataservice.dispatcher.service import DispatcherService
+from torch_dataservice.proto import dispatcher_pb2_grpc
+from torch_dataservice.serving import BackgroundLoop, start_grpc_server
+
+logger = logging.getLogger(__name__)
+
+
+def _open_journal(config: DispatcherConfig) -> Journal:
+    if not config.fault_tolerant_mode:
+        return NullJournal()
+    from torch_dataservice.dispatcher.file_journal import FileJournal
+
+    return FileJournal(config.work_dir)  # type: ignore[arg-type]
+
+
+class DispatchServer:
+    """A dispatcher serving gRPC on `config.host:config.port` (0 = a free port).
+
+    `target` is what clients pass as `service`. Usable as a context manager.
+    """
+
+    def __init__(self, config: DispatcherConfig | None = None, start: bool = True) -> None:
+        self._config = config or DispatcherConfig()
+        self._server = None
+        self._port = self._config.port
+        self._stopped = threading.Event()
+        self._service: DispatcherService | None = None
+        self._liveness: BackgroundLoop | None = None
+        if start:
+            self.start()
+
+    @property
+    def config(self) -> DispatcherConfig:
+        return self._config
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def address(self) -> str:
+        return f"{self._config.host}:{self._port}"
+
+    @property
+    def target(self) -> str:
+        return f"grpc://{self.address}"
+
+    def start(self) -> None:
+        if self._server is not None:
+            return
+        journal = _open_journal(self._config)
+        self._service = DispatcherService(self._config, journal)
+        self._server, self._port = start_grpc_server(
+            lambda s: dispatcher_pb2_grpc.add_DispatcherServiceServicer_to_server(
+                self._service, s),
+            self._config.host,
+            self._config.port,
+        )
+        interval = min(self._config.effective_job_gc_check_interval_ms,
+                       self._config.effective_worker_timeout_ms // 4 or 1) / 1000
+        self._liveness = BackgroundLoop("dispatcher-liveness", interval,
+                                        self._service.check_liveness)
+        self._liveness.start()
+        logger.info("dispatcher serving at %s", self.target)
+
+    def stop(self) -> None:
+        if self._server is None:
+            return
+        if self._liveness is not None:
+            self._liveness.stop()
+        self._server.stop(grace=0.5).wait(5)
+        if self._service is not None:
+            self._service.close()
+            self._service._journal.close()
+        self._server = None
+        self._stopped.set()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Block until `stop()` (from another thread or a signal handler)."""
+        return self._stopped.wait(timeout)
+
+    def __enter__(self) -> DispatchServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

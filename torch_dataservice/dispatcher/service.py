@@ -1,0 +1,391 @@
+"""The dispatcher's gRPC handlers: validate, decide, journal, apply, reply.
+
+All decisions are taken under one lock, turned into `Update` records, journaled and applied
+to `DispatcherState`. Soft state (heartbeat times, push threads) lives here and is re-learned
+after a restart. Pushing new tasks to workers is best-effort and outside the lock: a worker
+that misses a push gets the task in its next heartbeat reply.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from torch_dataservice.config import DispatcherConfig
+from torch_dataservice.dispatcher.journal import Journal
+from torch_dataservice.dispatcher.state import DYNAMIC, DispatcherState, Iteration, Task
+from torch_dataservice.proto import (
+    common_pb2,
+    dispatcher_pb2,
+    dispatcher_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from torch_dataservice.rpc import channel_to, servicer_method
+
+logger = logging.getLogger(__name__)
+
+Update = dispatcher_pb2.Update
+STATIC_POLICIES = {2: "FILE", 3: "DATA", 4: "FILE_OR_DATA", 5: "HINT"}
+POLICY_NAMES = {0: "OFF", 1: "DYNAMIC", **STATIC_POLICIES}
+
+
+class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
+    def __init__(
+        self,
+        config: DispatcherConfig,
+        journal: Journal,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._config = config
+        self._journal = journal
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._state = DispatcherState()
+        for update in journal.replay():
+            self._state.apply(update)
+        now = clock()
+        # Soft state: nothing is collected or declared dead because the dispatcher was down.
+        self._worker_seen: dict[str, float] = {a: now for a in self._state.workers}
+        self._client_seen: dict[int, float] = {c: now for c in self._state.clients}
+        self._iteration_idle_since: dict[int, float] = {}
+        self._pusher = ThreadPoolExecutor(max_workers=4, thread_name_prefix="task-push")
+
+    @property
+    def state(self) -> DispatcherState:
+        return self._state
+
+    def close(self) -> None:
+        self._pusher.shutdown(wait=False, cancel_futures=True)
+
+    def _apply(self, update: Update) -> None:
+        self._journal.append(update)  # durable first
+        self._state.apply(update)
+
+    # ------------------------------------------------------------------ datasets
+    @servicer_method
+    def GetOrRegisterDataset(self, request, context):
+        definition = request.dataset
+        with self._lock:
+            if request.dataset_id:
+                if request.dataset_id not in self._state.datasets:
+                    self._apply(Update(register_dataset=dispatcher_pb2.RegisterDataset(
+                        dataset_id=request.dataset_id, dataset=definition)))
+                return dispatcher_pb2.GetOrRegisterDatasetResponse(dataset_id=request.dataset_id)
+            existing = self._state.dataset_by_fingerprint.get(definition.fingerprint)
+            if existing is not None:
+                return dispatcher_pb2.GetOrRegisterDatasetResponse(dataset_id=existing)
+            dataset_id = str(self._state.peek_id("dataset"))
+            while dataset_id in self._state.datasets:  # a user chose this id explicitly
+                dataset_id = str(int(dataset_id) + 1)
+            self._apply(Update(register_dataset=dispatcher_pb2.RegisterDataset(
+                dataset_id=dataset_id, dataset=definition)))
+            return dispatcher_pb2.GetOrRegisterDatasetResponse(dataset_id=dataset_id)
+
+    @servicer_method
+    def GetDatasetDef(self, request, context):
+        with self._lock:
+            dataset = self._state.dataset(request.dataset_id)
+            return dispatcher_pb2.GetDatasetDefResponse(dataset=dataset.definition)
+
+    # ------------------------------------------------------------------ jobs and iterations
+    @servicer_method
+    def GetOrCreateJob(self, request, context):
+        config = request.config
+        with self._lock:
+            dataset = self._state.dataset(config.dataset_id)
+            self._validate_job(config, dataset.definition)
+            job_id = self._state.job_by_name.get(config.job_name) if config.job_name else None
+            if job_id is not None:
+                _check_matching_job(self._state.job(job_id).config, config)
+                return dispatcher_pb2.GetOrCreateJobResponse(job_id=job_id)
+            job_id = self._state.peek_id("job")
+            stored = common_pb2.JobConfig()
+            stored.CopyFrom(config)
+            if not stored.job_name:
+                stored.job_name = f"anonymous_job_{job_id}"
+            self._apply(Update(create_job=dispatcher_pb2.CreateJob(job_id=job_id, config=stored)))
+            return dispatcher_pb2.GetOrCreateJobResponse(job_id=job_id)
+
+    def _validate_job(self, config: common_pb2.JobConfig, dataset: common_pb2.DatasetDef) -> None:
+        policy = config.sharding_policy
+        if policy not in POLICY_NAMES:
+            raise ValueError(f"unknown sharding policy {policy}")
+        name = POLICY_NAMES[policy]
+        if policy == DYNAMIC and not dataset.splittable:
+            raise ValueError(
+                "sharding policy DYNAMIC needs a splittable source (range, from_items, "
+                "list_files or from_dataset); this pipeline's source is not splittable"
+            )
+        if policy in STATIC_POLICIES:
+            if not self._config.worker_addresses:
+                raise ValueError(
+                    f"sharding policy {name} needs a fixed worker list: start the dispatcher "
+                    "with DispatcherConfig(worker_addresses=[...]) / --worker-addresses"
+                )
+            num_workers = len(self._config.worker_addresses)
+            if policy == 2 and not dataset.file_based:
+                raise ValueError(
+                    "sharding policy FILE needs a list_files source; use DATA or FILE_OR_DATA"
+                )
+            if policy in (2, 4) and dataset.file_based and dataset.num_files < num_workers:
+                raise ValueError(
+                    f"sharding policy {name}: the pipeline has fewer files ({dataset.num_files}) "
+                    f"than workers ({num_workers})"
+                )
+
+    @servicer_method
+    def GetOrCreateIteration(self, request, context):
+        with self._lock:
+            job = self._state.job(request.job_id)
+            key = (job.job_id, request.repetition)
+            iteration_id = self._state.iteration_by_key.get(key)
+            new_tasks: list[Task] = []
+            if iteration_id is None or self._state.iterations[iteration_id].garbage_collected:
+                iteration_id = self._state.peek_id("iteration")
+                self._apply(Update(create_iteration=dispatcher_pb2.CreateIteration(
+                    iteration_id=iteration_id, job_id=job.job_id, repetition=request.repetition)))
+                for address in sorted(self._state.workers):
+                    new_tasks.append(self._create_task(iteration_id, address))
+            client_id = self._state.peek_id("client")
+            self._apply(Update(acquire_client=dispatcher_pb2.AcquireClient(
+                client_id=client_id, iteration_id=iteration_id)))
+            self._client_seen[client_id] = self._clock()
+            self._iteration_idle_since.pop(iteration_id, None)
+            task_defs = [(t.worker_address, self._task_def(t)) for t in new_tasks]
+        self._push_tasks(task_defs)
+        return dispatcher_pb2.GetOrCreateIterationResponse(
+            iteration_id=iteration_id, client_id=client_id
+        )
+
+    def _create_task(self, iteration_id: int, worker_address: str) -> Task:
+        task_id = self._state.peek_id("task")
+        self._apply(Update(create_task=dispatcher_pb2.CreateTask(
+            task_id=task_id, iteration_id=iteration_id, worker_address=worker_address)))
+        return self._state.task(task_id)
+
+    def _task_def(self, task: Task) -> common_pb2.TaskDef:
+        iteration = self._state.iteration(task.iteration_id)
+        job = self._state.job(iteration.job_id)
+        dataset = self._state.dataset(job.config.dataset_id)
+        worker = self._state.workers.get(task.worker_address)
+        num_workers = len(self._config.worker_addresses or ())
+        task_def = common_pb2.TaskDef(
+            task_id=task.task_id,
+            iteration_id=iteration.iteration_id,
+            job_id=job.job_id,
+            dataset_id=dataset.dataset_id,
+            sharding_policy=job.config.sharding_policy,
+            num_workers=num_workers,
+            worker_index=worker.index if worker is not None else -1,
+            cross_trainer_cache=job.config.cross_trainer_cache,
+            compression=dataset.definition.compression,
+            num_splits=dataset.definition.num_splits,
+        )
+        if job.config.HasField("num_consumers"):
+            task_def.num_consumers = job.config.num_consumers
+        return task_def
+
+    def _push_tasks(self, task_defs: Iterable[tuple[str, common_pb2.TaskDef]]) -> None:
+        for address, task_def in task_defs:
+            self._pusher.submit(_push_task, address, task_def)
+
+    # ------------------------------------------------------------------ clients
+    @servicer_method
+    def ClientHeartbeat(self, request, context):
+        with self._lock:
+            iteration = self._state.iteration_of_client(request.client_id)
+            self._client_seen[request.client_id] = self._clock()
+            response = dispatcher_pb2.ClientHeartbeatResponse(
+                iteration_finished=self._state.is_finished(iteration)
+            )
+            if iteration.garbage_collected:
+                response.error = f"iteration {iteration.iteration_id} was garbage-collected"
+            for task in self._state.iteration_tasks(iteration):
+                worker = self._state.workers.get(task.worker_address)
+                if task.finished or worker is None:
+                    continue
+                response.tasks.append(common_pb2.TaskInfo(
+                    task_id=task.task_id,
+                    worker_address=task.worker_address,
+                    worker_uid=worker.uid,
+                    worker_index=worker.index,
+                    starting_round=task.starting_round,
+                    host_id=worker.host_id,
+                    process_id=worker.process_id,
+                ))
+            return response
+
+    @servicer_method
+    def ReleaseIterationClient(self, request, context):
+        with self._lock:
+            if request.client_id in self._state.clients:
+                self._release_client(request.client_id)
+        return dispatcher_pb2.ReleaseIterationClientResponse()
+
+    def _release_client(self, client_id: int) -> None:
+        iteration_id = self._state.clients[client_id]
+        self._apply(Update(release_client=dispatcher_pb2.ReleaseClient(client_id=client_id)))
+        self._client_seen.pop(client_id, None)
+        if not self._state.iterations[iteration_id].client_ids:
+            self._iteration_idle_since[iteration_id] = self._clock()
+
+    # ------------------------------------------------------------------ workers
+    @servicer_method
+    def WorkerHeartbeat(self, request, context):
+        address = request.worker_address
+        with self._lock:
+            worker = self._state.workers.get(address)
+            new_tasks: list[Task] = []
+            if worker is not None and worker.uid != request.worker_uid:
+                logger.info("worker %s restarted; its old tasks are dropped", address)
+                self._apply(Update(remove_worker=dispatcher_pb2.RemoveWorker(
+                    worker_address=address)))
+                worker = None
+            if worker is None:
+                index = self._worker_index(address)
+                self._apply(Update(register_worker=dispatcher_pb2.RegisterWorker(
+                    worker_address=address, worker_uid=request.worker_uid, worker_index=index,
+                    host_id=request.host_id, process_id=request.process_id)))
+                logger.info("worker %s registered (index %d)", address, index)
+                for iteration in list(self._state.active_iterations()):
+                    new_tasks.append(self._create_task(iteration.iteration_id, address))
+            self._worker_seen[address] = self._clock()
+            assigned = {t.task_id: t for t in self._state.worker_tasks(address)}
+            current = set(request.current_tasks)
+            response = dispatcher_pb2.WorkerHeartbeatResponse(
+                worker_index=self._state.workers[address].index
+            )
+            for task_id, task in assigned.items():
+                if task_id not in current:
+                    response.new_tasks.append(self._task_def(task))
+            for task_id in sorted(current - assigned.keys()):
+                task = self._state.tasks.get(task_id)
+                # A finished task stays on the worker until its iteration is gone, so that
+                # late readers get end_of_sequence instead of an unknown-task error.
+                if task is None or self._state.iteration(task.iteration_id).garbage_collected:
+                    response.tasks_to_delete.append(task_id)
+        return response
+
+    def _worker_index(self, address: str) -> int:
+        addresses = self._config.worker_addresses
+        if not addresses:
+            return -1
+        if address not in addresses:
+            raise ValueError(
+                f"worker {address} is not in the dispatcher's fixed worker list {addresses}; "
+                "start it with one of those addresses"
+            )
+        return addresses.index(address)
+
+    @servicer_method
+    def WorkerUpdate(self, request, context):
+        with self._lock:
+            for task_id in request.completed_tasks:
+                task = self._state.tasks.get(task_id)
+                if task is not None and not task.finished:
+                    self._apply(Update(finish_task=dispatcher_pb2.FinishTask(task_id=task_id)))
+        return dispatcher_pb2.WorkerUpdateResponse()
+
+    # ------------------------------------------------------------------ splits
+    @servicer_method
+    def GetSplit(self, request, context):
+        with self._lock:
+            iteration = self._state.iteration(request.iteration_id)
+            task = self._state.task(request.task_id)
+            if iteration.garbage_collected or task.finished:
+                return dispatcher_pb2.GetSplitResponse(end_of_splits=True)
+            update, response = self._next_split(iteration, request.repetition, task)
+            if update is not None:
+                self._apply(Update(produce_split=update))
+            return response
+
+    def _next_split(
+        self, iteration: Iteration, repetition: int, task: Task
+    ) -> tuple[dispatcher_pb2.ProduceSplit | None, dispatcher_pb2.GetSplitResponse]:
+        """The next split for `task` in `repetition`: a requeued one first, then the cursor."""
+        for split in iteration.requeued:
+            if split.repetition <= repetition:
+                return (
+                    dispatcher_pb2.ProduceSplit(
+                        iteration_id=iteration.iteration_id, repetition=split.repetition,
+                        split_index=split.index, task_id=task.task_id, requeued=True),
+                    dispatcher_pb2.GetSplitResponse(
+                        split_index=split.index, skip=len(split.delivered_offsets)),
+                )
+        if repetition < iteration.cursor_repetition:
+            return None, dispatcher_pb2.GetSplitResponse(end_of_splits=True)
+        index = iteration.cursor_index if repetition == iteration.cursor_repetition else 0
+        num_splits = self._num_splits(iteration)
+        produce = dispatcher_pb2.ProduceSplit(
+            iteration_id=iteration.iteration_id, repetition=repetition, task_id=task.task_id)
+        if index >= num_splits:
+            produce.split_index = -1
+            return produce, dispatcher_pb2.GetSplitResponse(end_of_splits=True)
+        produce.split_index = index
+        return produce, dispatcher_pb2.GetSplitResponse(split_index=index)
+
+    def _num_splits(self, iteration: Iteration) -> int:
+        job = self._state.job(iteration.job_id)
+        return self._state.dataset(job.config.dataset_id).definition.num_splits
+
+    # ------------------------------------------------------------------ liveness
+    def check_liveness(self) -> None:
+        """Declare silent workers dead, release silent clients, collect idle iterations."""
+        now = self._clock()
+        worker_timeout = self._config.effective_worker_timeout_ms / 1000
+        gc_timeout = self._config.effective_job_gc_timeout_ms / 1000
+        with self._lock:
+            for address, seen in list(self._worker_seen.items()):
+                if now - seen > worker_timeout and address in self._state.workers:
+                    logger.warning("worker %s missed heartbeats for %.1fs: removed",
+                                   address, now - seen)
+                    self._apply(Update(remove_worker=dispatcher_pb2.RemoveWorker(
+                        worker_address=address)))
+                    del self._worker_seen[address]
+            for client_id, seen in list(self._client_seen.items()):
+                if now - seen > gc_timeout and client_id in self._state.clients:
+                    logger.info("client %d silent for %.1fs: released", client_id, now - seen)
+                    self._release_client(client_id)
+            for iteration_id, idle_since in list(self._iteration_idle_since.items()):
+                iteration = self._state.iterations.get(iteration_id)
+                if iteration is None or iteration.garbage_collected or iteration.client_ids:
+                    del self._iteration_idle_since[iteration_id]
+                    continue
+                if now - idle_since > gc_timeout:
+                    logger.info("iteration %d has had no clients for %.1fs: collected",
+                                iteration_id, now - idle_since)
+                    self._apply(Update(garbage_collect_iteration=(
+                        dispatcher_pb2.GarbageCollectIteration(iteration_id=iteration_id))))
+                    del self._iteration_idle_since[iteration_id]
+
+
+def _check_matching_job(existing: common_pb2.JobConfig, requested: common_pb2.JobConfig) -> None:
+    def describe(config: common_pb2.JobConfig, name: str) -> object:
+        if name == "sharding_policy":
+            return POLICY_NAMES.get(config.sharding_policy, config.sharding_policy)
+        if name == "num_consumers":
+            return config.num_consumers if config.HasField("num_consumers") else None
+        return getattr(config, name)
+
+    for name in ("sharding_policy", "num_consumers", "cross_trainer_cache", "target_workers"):
+        old, new = describe(existing, name), describe(requested, name)
+        if old != new:
+            raise ValueError(
+                f"job {existing.job_name!r} already exists with {name}={old!r}; "
+                f"got {name}={new!r}"
+            )
+
+
+def _push_task(address: str, task_def: common_pb2.TaskDef) -> None:
+    stub = worker_pb2_grpc.WorkerServiceStub(channel_to(address))
+    try:
+        stub.ProcessTask(worker_pb2.ProcessTaskRequest(task=task_def), timeout=2)
+    except grpc.RpcError as error:  # the next heartbeat delivers it
+        logger.debug("push of task %d to %s failed: %s", task_def.task_id, address, error)
+

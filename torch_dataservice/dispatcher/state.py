@@ -1,0 +1,272 @@
+"""DispatcherState: the dispatcher's whole durable state, changed only by `apply(update)`.
+
+Pure: no I/O, no clocks, no gRPC. The service decides which `Update` to make, journals it
+(fault-tolerant mode) and applies it here; a restart replays the journal into a fresh state.
+Queries never mutate. Ids come from per-kind counters (datasets from 1000, iterations 2000,
+clients 3000, tasks 4000, jobs 5000) so an id in a log line says what it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from torch_dataservice.proto import common_pb2, dispatcher_pb2
+
+Update = dispatcher_pb2.Update
+
+OFF, DYNAMIC = 0, 1
+ID_BASES = {"dataset": 1000, "iteration": 2000, "client": 3000, "task": 4000, "job": 5000}
+
+
+class InvalidTransition(RuntimeError):
+    """An update that does not fit the current state: a bug in the caller or a corrupt journal."""
+
+
+@dataclass
+class Dataset:
+    dataset_id: str
+    definition: common_pb2.DatasetDef
+
+
+@dataclass
+class Worker:
+    address: str
+    uid: int
+    index: int
+    host_id: str
+    process_id: str
+    task_ids: set[int] = field(default_factory=set)  # unfinished tasks assigned to it
+
+
+@dataclass
+class Job:
+    job_id: int
+    name: str
+    config: common_pb2.JobConfig
+
+
+@dataclass
+class Task:
+    task_id: int
+    iteration_id: int
+    worker_address: str
+    starting_round: int = 0
+    finished: bool = False
+    # DYNAMIC exactly-once: splits handed to this task, by (repetition, index).
+    splits: set[tuple[int, int]] = field(default_factory=set)
+
+
+@dataclass
+class RequeuedSplit:
+    repetition: int
+    index: int
+    delivered_offsets: frozenset[int]
+
+
+@dataclass
+class Iteration:
+    iteration_id: int
+    job_id: int
+    repetition: int
+    task_ids: list[int] = field(default_factory=list)
+    client_ids: set[int] = field(default_factory=set)
+    garbage_collected: bool = False
+    # DYNAMIC split cursor: the repetition being handed out and the next split index in it.
+    cursor_repetition: int = 0
+    cursor_index: int = 0
+    requeued: list[RequeuedSplit] = field(default_factory=list)
+
+
+@dataclass
+class DispatcherState:
+    datasets: dict[str, Dataset] = field(default_factory=dict)
+    dataset_by_fingerprint: dict[str, str] = field(default_factory=dict)
+    workers: dict[str, Worker] = field(default_factory=dict)
+    jobs: dict[int, Job] = field(default_factory=dict)
+    job_by_name: dict[str, int] = field(default_factory=dict)
+    iterations: dict[int, Iteration] = field(default_factory=dict)
+    iteration_by_key: dict[tuple[int, int], int] = field(default_factory=dict)
+    tasks: dict[int, Task] = field(default_factory=dict)
+    clients: dict[int, int] = field(default_factory=dict)  # client id -> iteration id
+    next_ids: dict[str, int] = field(default_factory=lambda: dict(ID_BASES))
+
+    # ------------------------------------------------------------------ the one mutation
+    def apply(self, update: Update) -> None:
+        kind = update.WhichOneof("kind")
+        if kind is None:
+            raise InvalidTransition("empty update")
+        getattr(self, f"_apply_{kind}")(getattr(update, kind))
+
+    def _take_id(self, kind: str, value: int) -> None:
+        # Ids are chosen by the service (peek_id) and recorded here, so replay reproduces them.
+        self.next_ids[kind] = max(self.next_ids[kind], value + 1)
+
+    def _apply_register_dataset(self, u: dispatcher_pb2.RegisterDataset) -> None:
+        self.datasets[u.dataset_id] = Dataset(u.dataset_id, u.dataset)
+        if u.dataset.fingerprint:
+            self.dataset_by_fingerprint.setdefault(u.dataset.fingerprint, u.dataset_id)
+        if u.dataset_id.isdigit():
+            self._take_id("dataset", int(u.dataset_id))
+
+    def _apply_register_worker(self, u: dispatcher_pb2.RegisterWorker) -> None:
+        if u.worker_address in self.workers:
+            raise InvalidTransition(f"worker {u.worker_address} is already registered")
+        self.workers[u.worker_address] = Worker(
+            u.worker_address, u.worker_uid, u.worker_index, u.host_id, u.process_id
+        )
+
+    def _apply_remove_worker(self, u: dispatcher_pb2.RemoveWorker) -> None:
+        worker = self.workers.pop(u.worker_address, None)
+        if worker is None:
+            raise InvalidTransition(f"worker {u.worker_address} is not registered")
+        for task_id in sorted(worker.task_ids):
+            self._finish_task(self.tasks[task_id])
+
+    def _apply_create_job(self, u: dispatcher_pb2.CreateJob) -> None:
+        name = u.config.job_name
+        if name in self.job_by_name:
+            raise InvalidTransition(f"job name {name!r} already exists")
+        self.jobs[u.job_id] = Job(u.job_id, name, u.config)
+        self.job_by_name[name] = u.job_id
+        self._take_id("job", u.job_id)
+
+    def _apply_create_iteration(self, u: dispatcher_pb2.CreateIteration) -> None:
+        key = (u.job_id, u.repetition)
+        old = self.iteration_by_key.get(key)
+        if old is not None and not self.iterations[old].garbage_collected:
+            raise InvalidTransition(f"iteration {key} already exists as {old}")
+        self.iterations[u.iteration_id] = Iteration(u.iteration_id, u.job_id, u.repetition)
+        self.iteration_by_key[key] = u.iteration_id
+        self._take_id("iteration", u.iteration_id)
+
+    def _apply_create_task(self, u: dispatcher_pb2.CreateTask) -> None:
+        iteration = self.iterations[u.iteration_id]
+        task = Task(u.task_id, u.iteration_id, u.worker_address, u.starting_round)
+        self.tasks[u.task_id] = task
+        iteration.task_ids.append(u.task_id)
+        self.workers[u.worker_address].task_ids.add(u.task_id)
+        self._take_id("task", u.task_id)
+
+    def _apply_finish_task(self, u: dispatcher_pb2.FinishTask) -> None:
+        self._finish_task(self.tasks[u.task_id])
+
+    def _finish_task(self, task: Task) -> None:
+        task.finished = True
+        worker = self.workers.get(task.worker_address)
+        if worker is not None:
+            worker.task_ids.discard(task.task_id)
+
+    def _apply_produce_split(self, u: dispatcher_pb2.ProduceSplit) -> None:
+        iteration = self.iterations[u.iteration_id]
+        task = self.tasks.get(u.task_id)
+        if u.requeued:
+            for i, split in enumerate(iteration.requeued):
+                if (split.repetition, split.index) == (u.repetition, u.split_index):
+                    del iteration.requeued[i]
+                    break
+            else:
+                raise InvalidTransition(f"split {u.repetition}/{u.split_index} was not requeued")
+        elif u.repetition < iteration.cursor_repetition:
+            raise InvalidTransition(
+                f"split of repetition {u.repetition} after the cursor reached "
+                f"{iteration.cursor_repetition}"
+            )
+        else:
+            if u.repetition > iteration.cursor_repetition:
+                iteration.cursor_repetition, iteration.cursor_index = u.repetition, 0
+            if u.split_index < 0:  # end of splits: the next repetition starts
+                iteration.cursor_repetition, iteration.cursor_index = u.repetition + 1, 0
+                return
+            if u.split_index != iteration.cursor_index:
+                raise InvalidTransition(
+                    f"split {u.split_index} out of order (cursor at {iteration.cursor_index})"
+                )
+            iteration.cursor_index += 1
+        if task is not None and u.split_index >= 0:
+            task.splits.add((u.repetition, u.split_index))
+
+    def _apply_requeue_split(self, u: dispatcher_pb2.RequeueSplit) -> None:
+        iteration = self.iterations[u.iteration_id]
+        key = (u.split.repetition, u.split.index)
+        for task_id in iteration.task_ids:
+            self.tasks[task_id].splits.discard(key)
+        iteration.requeued.append(
+            RequeuedSplit(key[0], key[1], frozenset(u.delivered_offsets))
+        )
+
+    def _apply_acquire_client(self, u: dispatcher_pb2.AcquireClient) -> None:
+        self.clients[u.client_id] = u.iteration_id
+        self.iterations[u.iteration_id].client_ids.add(u.client_id)
+        self._take_id("client", u.client_id)
+
+    def _apply_release_client(self, u: dispatcher_pb2.ReleaseClient) -> None:
+        iteration_id = self.clients.pop(u.client_id, None)
+        if iteration_id is not None:
+            self.iterations[iteration_id].client_ids.discard(u.client_id)
+
+    def _apply_garbage_collect_iteration(self, u: dispatcher_pb2.GarbageCollectIteration) -> None:
+        iteration = self.iterations[u.iteration_id]
+        iteration.garbage_collected = True
+        for task_id in iteration.task_ids:
+            self._finish_task(self.tasks[task_id])
+        for client_id in list(iteration.client_ids):
+            self.clients.pop(client_id, None)
+        iteration.client_ids.clear()
+
+    # ------------------------------------------------------------------ queries
+    def peek_id(self, kind: str) -> int:
+        return self.next_ids[kind]
+
+    def dataset(self, dataset_id: str) -> Dataset:
+        try:
+            return self.datasets[dataset_id]
+        except KeyError:
+            raise LookupError(f"dataset {dataset_id!r} is not registered") from None
+
+    def job(self, job_id: int) -> Job:
+        try:
+            return self.jobs[job_id]
+        except KeyError:
+            raise LookupError(f"job {job_id} does not exist") from None
+
+    def iteration(self, iteration_id: int) -> Iteration:
+        try:
+            return self.iterations[iteration_id]
+        except KeyError:
+            raise LookupError(f"iteration {iteration_id} does not exist") from None
+
+    def iteration_of_client(self, client_id: int) -> Iteration:
+        try:
+            return self.iterations[self.clients[client_id]]
+        except KeyError:
+            raise LookupError(f"iteration client {client_id} is not known") from None
+
+    def task(self, task_id: int) -> Task:
+        try:
+            return self.tasks[task_id]
+        except KeyError:
+            raise LookupError(f"task {task_id} does not exist") from None
+
+    def iteration_tasks(self, iteration: Iteration) -> Iterator[Task]:
+        return (self.tasks[task_id] for task_id in iteration.task_ids)
+
+    def is_finished(self, iteration: Iteration) -> bool:
+        """Every task ran to its end (or its worker left); an iteration with none is not."""
+        if iteration.garbage_collected:
+            return True
+        tasks = list(self.iteration_tasks(iteration))
+        return bool(tasks) and all(task.finished for task in tasks)
+
+    def active_iterations(self) -> Iterator[Iteration]:
+        return (
+            it
+            for it in self.iterations.values()
+            if not it.garbage_collected and not self.is_finished(it)
+        )
+
+    def worker_tasks(self, address: str) -> list[Task]:
+        worker = self.workers.get(address)
+        if worker is None:
+            return []
+        return [self.tasks[task_id] for task_id in sorted(worker.task_ids)]

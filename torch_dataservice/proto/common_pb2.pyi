@@ -1,0 +1,105 @@
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DatasetDef(_message.Message):
+    __slots__ = ("pipeline", "compression", "splittable", "num_splits", "file_based", "num_files", "has_shard_hint", "fingerprint", "order_sensitive")
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    SPLITTABLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPLITS_FIELD_NUMBER: _ClassVar[int]
+    FILE_BASED_FIELD_NUMBER: _ClassVar[int]
+    NUM_FILES_FIELD_NUMBER: _ClassVar[int]
+    HAS_SHARD_HINT_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    ORDER_SENSITIVE_FIELD_NUMBER: _ClassVar[int]
+    pipeline: bytes
+    compression: str
+    splittable: bool
+    num_splits: int
+    file_based: bool
+    num_files: int
+    has_shard_hint: bool
+    fingerprint: str
+    order_sensitive: bool
+    def __init__(self, pipeline: _Optional[bytes] = ..., compression: _Optional[str] = ..., splittable: _Optional[bool] = ..., num_splits: _Optional[int] = ..., file_based: _Optional[bool] = ..., num_files: _Optional[int] = ..., has_shard_hint: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., order_sensitive: _Optional[bool] = ...) -> None: ...
+
+class JobConfig(_message.Message):
+    __slots__ = ("dataset_id", "job_name", "sharding_policy", "num_consumers", "target_workers", "cross_trainer_cache")
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHARDING_POLICY_FIELD_NUMBER: _ClassVar[int]
+    NUM_CONSUMERS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    CROSS_TRAINER_CACHE_FIELD_NUMBER: _ClassVar[int]
+    dataset_id: str
+    job_name: str
+    sharding_policy: int
+    num_consumers: int
+    target_workers: str
+    cross_trainer_cache: bool
+    def __init__(self, dataset_id: _Optional[str] = ..., job_name: _Optional[str] = ..., sharding_policy: _Optional[int] = ..., num_consumers: _Optional[int] = ..., target_workers: _Optional[str] = ..., cross_trainer_cache: _Optional[bool] = ...) -> None: ...
+
+class TaskDef(_message.Message):
+    __slots__ = ("task_id", "iteration_id", "job_id", "dataset_id", "sharding_policy", "num_workers", "worker_index", "num_consumers", "cross_trainer_cache", "compression", "num_splits")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARDING_POLICY_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_CONSUMERS_FIELD_NUMBER: _ClassVar[int]
+    CROSS_TRAINER_CACHE_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPLITS_FIELD_NUMBER: _ClassVar[int]
+    task_id: int
+    iteration_id: int
+    job_id: int
+    dataset_id: str
+    sharding_policy: int
+    num_workers: int
+    worker_index: int
+    num_consumers: int
+    cross_trainer_cache: bool
+    compression: str
+    num_splits: int
+    def __init__(self, task_id: _Optional[int] = ..., iteration_id: _Optional[int] = ..., job_id: _Optional[int] = ..., dataset_id: _Optional[str] = ..., sharding_policy: _Optional[int] = ..., num_workers: _Optional[int] = ..., worker_index: _Optional[int] = ..., num_consumers: _Optional[int] = ..., cross_trainer_cache: _Optional[bool] = ..., compression: _Optional[str] = ..., num_splits: _Optional[int] = ...) -> None: ...
+
+class TaskInfo(_message.Message):
+    __slots__ = ("task_id", "worker_address", "worker_uid", "worker_index", "starting_round", "host_id", "process_id")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_UID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    STARTING_ROUND_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    task_id: int
+    worker_address: str
+    worker_uid: int
+    worker_index: int
+    starting_round: int
+    host_id: str
+    process_id: str
+    def __init__(self, task_id: _Optional[int] = ..., worker_address: _Optional[str] = ..., worker_uid: _Optional[int] = ..., worker_index: _Optional[int] = ..., starting_round: _Optional[int] = ..., host_id: _Optional[str] = ..., process_id: _Optional[str] = ...) -> None: ...
+
+class RemoteError(_message.Message):
+    __slots__ = ("type", "message", "traceback")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TRACEBACK_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    message: str
+    traceback: str
+    def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ...) -> None: ...
+
+class SplitKey(_message.Message):
+    __slots__ = ("repetition", "index")
+    REPETITION_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    repetition: int
+    index: int
+    def __init__(self, repetition: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,294 @@
+from torch_dataservice.proto import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetOrRegisterDatasetRequest(_message.Message):
+    __slots__ = ("dataset", "dataset_id")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    dataset: _common_pb2.DatasetDef
+    dataset_id: str
+    def __init__(self, dataset: _Optional[_Union[_common_pb2.DatasetDef, _Mapping]] = ..., dataset_id: _Optional[str] = ...) -> None: ...
+
+class GetOrRegisterDatasetResponse(_message.Message):
+    __slots__ = ("dataset_id",)
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    dataset_id: str
+    def __init__(self, dataset_id: _Optional[str] = ...) -> None: ...
+
+class GetDatasetDefRequest(_message.Message):
+    __slots__ = ("dataset_id",)
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    dataset_id: str
+    def __init__(self, dataset_id: _Optional[str] = ...) -> None: ...
+
+class GetDatasetDefResponse(_message.Message):
+    __slots__ = ("dataset",)
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    dataset: _common_pb2.DatasetDef
+    def __init__(self, dataset: _Optional[_Union[_common_pb2.DatasetDef, _Mapping]] = ...) -> None: ...
+
+class GetOrCreateJobRequest(_message.Message):
+    __slots__ = ("config",)
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    config: _common_pb2.JobConfig
+    def __init__(self, config: _Optional[_Union[_common_pb2.JobConfig, _Mapping]] = ...) -> None: ...
+
+class GetOrCreateJobResponse(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: int
+    def __init__(self, job_id: _Optional[int] = ...) -> None: ...
+
+class GetOrCreateIterationRequest(_message.Message):
+    __slots__ = ("job_id", "repetition")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_FIELD_NUMBER: _ClassVar[int]
+    job_id: int
+    repetition: int
+    def __init__(self, job_id: _Optional[int] = ..., repetition: _Optional[int] = ...) -> None: ...
+
+class GetOrCreateIterationResponse(_message.Message):
+    __slots__ = ("iteration_id", "client_id")
+    ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    iteration_id: int
+    client_id: int
+    def __init__(self, iteration_id: _Optional[int] = ..., client_id: _Optional[int] = ...) -> None: ...
+
+class ClientHeartbeatRequest(_message.Message):
+    __slots__ = ("client_id", "current_round", "received")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    current_round: int
+    received: _containers.RepeatedCompositeFieldContainer[ReceivedSplit]
+    def __init__(self, client_id: _Optional[int] = ..., current_round: _Optional[int] = ..., received: _Optional[_Iterable[_Union[ReceivedSplit, _Mapping]]] = ...) -> None: ...
+
+class ReceivedSplit(_message.Message):
+    __slots__ = ("task_id", "split", "offsets")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    task_id: int
+    split: _common_pb2.SplitKey
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, task_id: _Optional[int] = ..., split: _Optional[_Union[_common_pb2.SplitKey, _Mapping]] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ClientHeartbeatResponse(_message.Message):
+    __slots__ = ("tasks", "iteration_finished", "error")
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    tasks: _containers.RepeatedCompositeFieldContainer[_common_pb2.TaskInfo]
+    iteration_finished: bool
+    error: str
+    def __init__(self, tasks: _Optional[_Iterable[_Union[_common_pb2.TaskInfo, _Mapping]]] = ..., iteration_finished: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ReleaseIterationClientRequest(_message.Message):
+    __slots__ = ("client_id",)
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    def __init__(self, client_id: _Optional[int] = ...) -> None: ...
+
+class ReleaseIterationClientResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerHeartbeatRequest(_message.Message):
+    __slots__ = ("worker_address", "worker_uid", "current_tasks", "host_id", "process_id")
+    WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_UID_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_TASKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_address: str
+    worker_uid: int
+    current_tasks: _containers.RepeatedScalarFieldContainer[int]
+    host_id: str
+    process_id: str
+    def __init__(self, worker_address: _Optional[str] = ..., worker_uid: _Optional[int] = ..., current_tasks: _Optional[_Iterable[int]] = ..., host_id: _Optional[str] = ..., process_id: _Optional[str] = ...) -> None: ...
+
+class WorkerHeartbeatResponse(_message.Message):
+    __slots__ = ("new_tasks", "tasks_to_delete", "worker_index")
+    NEW_TASKS_FIELD_NUMBER: _ClassVar[int]
+    TASKS_TO_DELETE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    new_tasks: _containers.RepeatedCompositeFieldContainer[_common_pb2.TaskDef]
+    tasks_to_delete: _containers.RepeatedScalarFieldContainer[int]
+    worker_index: int
+    def __init__(self, new_tasks: _Optional[_Iterable[_Union[_common_pb2.TaskDef, _Mapping]]] = ..., tasks_to_delete: _Optional[_Iterable[int]] = ..., worker_index: _Optional[int] = ...) -> None: ...
+
+class WorkerUpdateRequest(_message.Message):
+    __slots__ = ("worker_address", "completed_tasks")
+    WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_TASKS_FIELD_NUMBER: _ClassVar[int]
+    worker_address: str
+    completed_tasks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_address: _Optional[str] = ..., completed_tasks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class WorkerUpdateResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetSplitRequest(_message.Message):
+    __slots__ = ("iteration_id", "repetition", "task_id")
+    ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    iteration_id: int
+    repetition: int
+    task_id: int
+    def __init__(self, iteration_id: _Optional[int] = ..., repetition: _Optional[int] = ..., task_id: _Optional[int] = ...) -> None: ...
+
+class GetSplitResponse(_message.Message):
+    __slots__ = ("split_index", "end_of_splits", "skip")
+    SPLIT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    END_OF_SPLITS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FIELD_NUMBER: _ClassVar[int]
+    split_index: int
+    end_of_splits: bool
+    skip: int
+    def __init__(self, split_index: _Optional[int] = ..., end_of_splits: _Optional[bool] = ..., skip: _Optional[int] = ...) -> None: ...
+
+class Update(_message.Message):
+    __slots__ = ("register_dataset", "register_worker", "create_job", "create_iteration", "produce_split", "create_task", "finish_task", "acquire_client", "release_client", "garbage_collect_iteration", "remove_worker", "requeue_split")
+    REGISTER_DATASET_FIELD_NUMBER: _ClassVar[int]
+    REGISTER_WORKER_FIELD_NUMBER: _ClassVar[int]
+    CREATE_JOB_FIELD_NUMBER: _ClassVar[int]
+    CREATE_ITERATION_FIELD_NUMBER: _ClassVar[int]
+    PRODUCE_SPLIT_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TASK_FIELD_NUMBER: _ClassVar[int]
+    FINISH_TASK_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRE_CLIENT_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_CLIENT_FIELD_NUMBER: _ClassVar[int]
+    GARBAGE_COLLECT_ITERATION_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    REQUEUE_SPLIT_FIELD_NUMBER: _ClassVar[int]
+    register_dataset: RegisterDataset
+    register_worker: RegisterWorker
+    create_job: CreateJob
+    create_iteration: CreateIteration
+    produce_split: ProduceSplit
+    create_task: CreateTask
+    finish_task: FinishTask
+    acquire_client: AcquireClient
+    release_client: ReleaseClient
+    garbage_collect_iteration: GarbageCollectIteration
+    remove_worker: RemoveWorker
+    requeue_split: RequeueSplit
+    def __init__(self, register_dataset: _Optional[_Union[RegisterDataset, _Mapping]] = ..., register_worker: _Optional[_Union[RegisterWorker, _Mapping]] = ..., create_job: _Optional[_Union[CreateJob, _Mapping]] = ..., create_iteration: _Optional[_Union[CreateIteration, _Mapping]] = ..., produce_split: _Optional[_Union[ProduceSplit, _Mapping]] = ..., create_task: _Optional[_Union[CreateTask, _Mapping]] = ..., finish_task: _Optional[_Union[FinishTask, _Mapping]] = ..., acquire_client: _Optional[_Union[AcquireClient, _Mapping]] = ..., release_client: _Optional[_Union[ReleaseClient, _Mapping]] = ..., garbage_collect_iteration: _Optional[_Union[GarbageCollectIteration, _Mapping]] = ..., remove_worker: _Optional[_Union[RemoveWorker, _Mapping]] = ..., requeue_split: _Optional[_Union[RequeueSplit, _Mapping]] = ...) -> None: ...
+
+class RegisterDataset(_message.Message):
+    __slots__ = ("dataset_id", "dataset")
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    dataset_id: str
+    dataset: _common_pb2.DatasetDef
+    def __init__(self, dataset_id: _Optional[str] = ..., dataset: _Optional[_Union[_common_pb2.DatasetDef, _Mapping]] = ...) -> None: ...
+
+class RegisterWorker(_message.Message):
+    __slots__ = ("worker_address", "worker_uid", "worker_index", "host_id", "process_id")
+    WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_UID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_address: str
+    worker_uid: int
+    worker_index: int
+    host_id: str
+    process_id: str
+    def __init__(self, worker_address: _Optional[str] = ..., worker_uid: _Optional[int] = ..., worker_index: _Optional[int] = ..., host_id: _Optional[str] = ..., process_id: _Optional[str] = ...) -> None: ...
+
+class CreateJob(_message.Message):
+    __slots__ = ("job_id", "config")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    job_id: int
+    config: _common_pb2.JobConfig
+    def __init__(self, job_id: _Optional[int] = ..., config: _Optional[_Union[_common_pb2.JobConfig, _Mapping]] = ...) -> None: ...
+
+class CreateIteration(_message.Message):
+    __slots__ = ("iteration_id", "job_id", "repetition")
+    ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_FIELD_NUMBER: _ClassVar[int]
+    iteration_id: int
+    job_id: int
+    repetition: int
+    def __init__(self, iteration_id: _Optional[int] = ..., job_id: _Optional[int] = ..., repetition: _Optional[int] = ...) -> None: ...
+
+class ProduceSplit(_message.Message):
+    __slots__ = ("iteration_id", "repetition", "split_index", "task_id", "requeued")
+    ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEUED_FIELD_NUMBER: _ClassVar[int]
+    iteration_id: int
+    repetition: int
+    split_index: int
+    task_id: int
+    requeued: bool
+    def __init__(self, iteration_id: _Optional[int] = ..., repetition: _Optional[int] = ..., split_index: _Optional[int] = ..., task_id: _Optional[int] = ..., requeued: _Optional[bool] = ...) -> None: ...
+
+class CreateTask(_message.Message):
+    __slots__ = ("task_id", "iteration_id", "worker_address", "starting_round")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STARTING_ROUND_FIELD_NUMBER: _ClassVar[int]
+    task_id: int
+    iteration_id: int
+    worker_address: str
+    starting_round: int
+    def __init__(self, task_id: _Optional[int] = ..., iteration_id: _Optional[int] = ..., worker_address: _Optional[str] = ..., starting_round: _Optional[int] = ...) -> None: ...
+
+class FinishTask(_message.Message):
+    __slots__ = ("task_id",)
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    task_id: int
+    def __init__(self, task_id: _Optional[int] = ...) -> None: ...
+
+class AcquireClient(_message.Message):
+    __slots__ = ("client_id", "iteration_id")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    iteration_id: int
+    def __init__(self, client_id: _Optional[int] = ..., iteration_id: _Optional[int] = ...) -> None: ...
+
+class ReleaseClient(_message.Message):
+    __slots__ = ("client_id",)
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    def __init__(self, client_id: _Optional[int] = ...) -> None: ...
+
+class GarbageCollectIteration(_message.Message):
+    __slots__ = ("iteration_id",)
+    ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    iteration_id: int
+    def __init__(self, iteration_id: _Optional[int] = ...) -> None: ...
+
+class RemoveWorker(_message.Message):
+    __slots__ = ("worker_address",)
+    WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    worker_address: str
+    def __init__(self, worker_address: _Optional[str] = ...) -> None: ...
+
+class RequeueSplit(_message.Message):
+    __slots__ = ("iteration_id", "split", "delivered_offsets")
+    ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    iteration_id: int
+    split: _common_pb2.SplitKey
+    delivered_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, iteration_id: _Optional[int] = ..., split: _Optional[_Union[_common_pb2.SplitKey, _Mapping]] = ..., delivered_offsets: _Optional[_Iterable[int]] = ...) -> None: ...

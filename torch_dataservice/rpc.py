@@ -1,0 +1,151 @@
+"""gRPC plumbing shared by every component: channels, status mapping and the one retry helper."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from torch_dataservice.errors import NotReadyError, ServiceUnavailableError, is_retryable
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Elements of any size: gRPC's default 4 MB receive cap must not limit element size.
+MAX_MESSAGE_BYTES = 2**31 - 1
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+    # Reconnect quickly after a server restart instead of grpc's default backoff of up to 120 s.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.enable_retries", 0),
+]
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.so_reuseport", 0),
+]
+
+
+def parse_service(service: Any) -> tuple[str, str]:
+    """`"grpc://HOST:PORT"`, `"HOST:PORT"` or `(protocol, address)` -> (protocol, address)."""
+    if isinstance(service, tuple):
+        if len(service) != 2 or not all(isinstance(part, str) for part in service):
+            raise ValueError(f"service tuple must be (protocol, address), got {service!r}")
+        protocol, address = service
+    elif isinstance(service, str):
+        if not service:
+            raise ValueError("service must not be empty")
+        if service.count("://") > 1:
+            raise ValueError(f"service {service!r} must contain at most one '://'")
+        if "://" in service:
+            protocol, address = service.split("://")
+        else:
+            protocol, address = "grpc", service
+    else:
+        raise ValueError(
+            f"service must be a string or a (protocol, address) tuple, got {service!r}")
+    if protocol != "grpc":
+        raise ValueError(f"unsupported protocol {protocol!r} in service {service!r}; use 'grpc'")
+    if not address:
+        raise ValueError(f"service {service!r} has an empty address")
+    return protocol, address
+
+
+_channels: dict[str, grpc.Channel] = {}
+_channels_lock = threading.Lock()
+
+
+def channel_to(address: str) -> grpc.Channel:
+    """A shared insecure channel to `address` (one per address per process)."""
+    with _channels_lock:
+        channel = _channels.get(address)
+        if channel is None:
+            channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            _channels[address] = channel
+        return channel
+
+
+def retry(
+    call: Callable[[], T],
+    *,
+    description: str,
+    deadline_s: float,
+    stop: threading.Event | None = None,
+    initial_backoff_s: float = 0.05,
+    max_backoff_s: float = 1.0,
+) -> T:
+    """Call `call` until it succeeds, retrying only retryable errors, until `deadline_s` passes.
+
+    Exponential backoff with jitter, capped at `max_backoff_s`. Raises ServiceUnavailableError
+    (chained to the last error) when the deadline expires or `stop` is set.
+    """
+    end = time.monotonic() + deadline_s
+    backoff = initial_backoff_s
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return call()
+        except grpc.RpcError as error:
+            if not is_retryable(error):
+                raise
+            remaining = end - time.monotonic()
+            if remaining <= 0 or (stop is not None and stop.is_set()):
+                raise ServiceUnavailableError(
+                    f"{description}: no answer after {deadline_s:.1f}s and {attempt} attempts "
+                    f"({error.code().name}: {error.details()})"
+                ) from error
+            if attempt == 3:
+                logger.info("%s: still retrying (%s)", description, error.details())
+            sleep = min(backoff * (0.5 + random.random()), remaining, max_backoff_s)
+            if stop is not None:
+                if stop.wait(sleep):
+                    raise ServiceUnavailableError(f"{description}: stopped") from error
+            else:
+                time.sleep(sleep)
+            backoff = min(backoff * 2, max_backoff_s)
+
+
+def servicer_method(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Map handler exceptions to gRPC statuses with the message a caller can act on.
+
+    NotReadyError -> UNAVAILABLE (retryable), ValueError -> INVALID_ARGUMENT,
+    KeyError/LookupError -> NOT_FOUND, anything else -> INTERNAL with its type and message.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except NotReadyError as error:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        except ValueError as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except LookupError as error:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(error.args[0] if error.args else error))
+        except Exception as error:  # surface to the caller, never kill the server
+            logger.exception("%s failed", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
+
+    return wrapper
+
+
+def rpc_error_to_exception(error: grpc.RpcError, what: str) -> Exception:
+    """A non-retryable RpcError as the Python exception a user expects."""
+    code = error.code()
+    details = error.details() or ""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ValueError(f"{what}: {details}")
+    if code == grpc.StatusCode.NOT_FOUND:
+        return LookupError(f"{what}: {details}")
+    return RuntimeError(f"{what}: {code.name}: {details}")

@@ -1,0 +1,255 @@
+"""Element codec: nested tensors <-> one payload of bytes.
+
+An element is pickled with protocol 5 so that large arrays travel out-of-band: the pickle
+stream holds only structure, dtypes and shapes, and every tensor / ndarray contributes its raw
+bytes as a separate buffer. ``encode`` returns the pieces without joining them, so the sender
+(``wire.frame.build_frame``) joins all elements of a reply with a single copy.
+
+Payload layout (all integers little-endian)::
+
+    header   : magic (1 byte) | version (1 byte) | 2 bytes reserved | uint32 segment count
+    segments : per segment, uint64 stored length | uint64 raw length | uint8 flags | 7 reserved
+    padding  : zeros up to a multiple of 16 bytes
+    data     : segment 0 = pickle stream, segments 1.. = out-of-band buffers, in order;
+               each padded with zeros to a multiple of 16 bytes
+
+Flag bit 0 marks a snappy-compressed (raw snappy format) segment. Decoding places every buffer
+in one fresh, writable, 16-byte aligned bytearray and rebuilds arrays and tensors as views of
+it, so a decoded tensor costs one copy (or one decompression) and can be written in place.
+
+Decoding unpickles: only decode payloads from workers you trust (see DESIGN.md, "Trust").
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import cloudpickle
+import numpy as np
+import snappy
+import torch
+
+try:  # python-snappy >= 0.7 is a thin layer over cramjam, which can decompress in place.
+    from cramjam import snappy as _cramjam_snappy
+except ImportError:  # pragma: no cover - older python-snappy builds
+    _cramjam_snappy = None
+
+__all__ = ["COMPRESSION_AUTO", "decode", "encode", "payload_size"]
+
+COMPRESSION_AUTO = "AUTO"
+
+_MAGIC = 0xD5
+_VERSION = 1
+_HEADER = struct.Struct("<BBxxI")
+_SEGMENT = struct.Struct("<QQB7x")
+_FLAG_SNAPPY = 0x01
+_ALIGN = 16
+_PAD = bytes(_ALIGN)
+
+# Below these sizes compression cannot pay for itself.
+_MIN_COMPRESS_BUFFER = 64
+_MIN_COMPRESS_STREAM = 1024
+# bytes objects this large go out-of-band too, so they are not copied into the pickle stream.
+_MIN_OUT_OF_BAND_BYTES = 4096
+
+Part = bytes | memoryview
+
+
+def _padding(n: int) -> int:
+    return -n % _ALIGN
+
+
+def _rebuild_tensor(
+    buffer: Any, dtype_name: str, shape: tuple[int, ...], requires_grad: bool
+) -> torch.Tensor:
+    """Unpickling hook: a tensor over ``buffer`` (a slice of the decode arena), not a copy."""
+    dtype = getattr(torch, dtype_name)
+    if not isinstance(dtype, torch.dtype):
+        raise pickle.UnpicklingError(f"not a torch dtype: {dtype_name!r}")
+    view = memoryview(buffer)
+    if view.nbytes == 0:
+        # torch.frombuffer rejects empty buffers.
+        tensor = torch.empty(shape, dtype=dtype)
+    else:
+        if view.readonly:
+            # Only reached when unpickled outside decode(); tensors must own writable memory.
+            view = memoryview(bytearray(view))
+        tensor = torch.frombuffer(view, dtype=dtype).reshape(shape)
+    if requires_grad:
+        tensor.requires_grad_(True)
+    return tensor
+
+
+class _ElementPickler(cloudpickle.CloudPickler):
+    """Pickles CPU tensors as raw out-of-band buffers instead of torch's in-band storage format.
+
+    CloudPickler rather than pickle.Pickler: workers run user code that was shipped by value
+    (classes and namedtuples defined in a trainer's ``__main__``), and elements made of those
+    classes must pickle by value too, to come back as the trainer's own classes.
+    """
+
+    def reducer_override(self, obj: Any) -> Any:
+        kind = type(obj)
+        if kind is torch.Tensor:
+            return self._reduce_tensor(obj)
+        if kind is np.ndarray:
+            if not (obj.flags.c_contiguous or obj.flags.f_contiguous) and not obj.dtype.hasobject:
+                # numpy pickles non-contiguous arrays in-band; a contiguous copy goes out-of-band.
+                return np.ascontiguousarray(obj).__reduce_ex__(5)
+            return NotImplemented
+        if kind is bytes:
+            if len(obj) >= _MIN_OUT_OF_BAND_BYTES:
+                return bytes, (pickle.PickleBuffer(obj),)
+            return NotImplemented
+        return super().reducer_override(obj)
+
+    @staticmethod
+    def _reduce_tensor(tensor: torch.Tensor) -> Any:
+        if (
+            tensor.device.type != "cpu"
+            or tensor.layout != torch.strided
+            or tensor.is_quantized
+            or tensor.is_nested
+        ):
+            return NotImplemented  # torch's own pickling, in-band
+        data = tensor.detach().resolve_conj().resolve_neg().contiguous()
+        # Raw bytes through a uint8 view: works for dtypes numpy lacks (bfloat16, float8, ...).
+        raw = data.reshape(-1).view(torch.uint8).numpy()
+        dtype_name = str(data.dtype).removeprefix("torch.")
+        args = (pickle.PickleBuffer(raw), dtype_name, tuple(data.shape), tensor.requires_grad)
+        return _rebuild_tensor, args
+
+
+def _check_compression(compression: str | None) -> bool:
+    if compression is None:
+        return False
+    if compression == COMPRESSION_AUTO:
+        return True
+    raise ValueError(
+        f"unsupported compression {compression!r}: expected {COMPRESSION_AUTO!r} or None"
+    )
+
+
+def _maybe_compress(data: Part, minimum: int) -> tuple[Part, bool]:
+    """Snappy-compress ``data`` if that makes it smaller; otherwise keep it as is."""
+    if len(data) < minimum:
+        return data, False
+    compressed = snappy.compress(data)
+    if len(compressed) < len(data):
+        return compressed, True
+    return data, False
+
+
+def encode(element: Any, compression: str | None = None) -> list[Part]:
+    """Encode one element into the pieces of its payload, in order.
+
+    The pieces reference the element's tensor memory where possible; they must be joined (or
+    sent) before the element is mutated. ``compression`` is ``"AUTO"`` (snappy) or None.
+    """
+    compress = _check_compression(compression)
+    buffers: list[pickle.PickleBuffer] = []
+    stream = io.BytesIO()
+    _ElementPickler(stream, protocol=5, buffer_callback=buffers.append).dump(element)
+
+    segments: list[tuple[Part, int, bool]] = []  # (stored data, raw length, compressed)
+    pickled = stream.getbuffer()
+    stored, compressed = (
+        _maybe_compress(pickled, _MIN_COMPRESS_STREAM) if compress else (pickled, False)
+    )
+    segments.append((stored, len(pickled), compressed))
+    for buffer in buffers:
+        raw = buffer.raw()  # 1-D unsigned bytes view, so len() is the byte count
+        stored, compressed = (
+            _maybe_compress(raw, _MIN_COMPRESS_BUFFER) if compress else (raw, False)
+        )
+        segments.append((stored, len(raw), compressed))
+
+    table = [_HEADER.pack(_MAGIC, _VERSION, len(segments))]
+    for stored, raw_len, compressed in segments:
+        table.append(_SEGMENT.pack(len(stored), raw_len, _FLAG_SNAPPY if compressed else 0))
+    head = b"".join(table)
+    parts: list[Part] = [head + _PAD[: _padding(len(head))]]
+    for stored, _, _ in segments:
+        if len(stored):
+            parts.append(stored)
+        if pad := _padding(len(stored)):
+            parts.append(_PAD[:pad])
+    return parts
+
+
+def payload_size(parts: Sequence[Part]) -> int:
+    """Bytes of the payload made of ``parts`` (as returned by ``encode``)."""
+    return sum(memoryview(part).nbytes for part in parts)
+
+
+def _read_table(payload: memoryview) -> tuple[list[tuple[int, int, int]], int]:
+    """Parse the header; return [(stored length, raw length, flags)] and the data offset."""
+    if payload.nbytes < _HEADER.size:
+        raise ValueError(f"element payload too short for its header: {payload.nbytes} bytes")
+    magic, version, count = _HEADER.unpack_from(payload, 0)
+    if magic != _MAGIC:
+        raise ValueError(f"not an element payload: magic byte {magic:#04x}, expected {_MAGIC:#04x}")
+    if version != _VERSION:
+        raise ValueError(f"unsupported element payload version {version}, expected {_VERSION}")
+    table_end = _HEADER.size + count * _SEGMENT.size
+    if count < 1 or payload.nbytes < table_end:
+        raise ValueError(f"corrupt element payload: {count} segments in {payload.nbytes} bytes")
+    segments = [
+        _SEGMENT.unpack_from(payload, _HEADER.size + i * _SEGMENT.size) for i in range(count)
+    ]
+    return segments, table_end + _padding(table_end)
+
+
+def _decompress_into(data: memoryview, out: memoryview) -> None:
+    if _cramjam_snappy is not None:
+        written = _cramjam_snappy.decompress_raw_into(data, out)
+    else:  # pragma: no cover - older python-snappy builds
+        plain = snappy.uncompress(data)
+        written = len(plain)
+        if written == out.nbytes:
+            out[:] = plain
+    if written != out.nbytes:
+        raise ValueError(f"corrupt element payload: decompressed {written}, expected {out.nbytes}")
+
+
+def decode(payload: memoryview | bytes | bytearray) -> Any:
+    """Rebuild the element encoded in ``payload``.
+
+    Tensors and arrays in the result are writable views of one fresh buffer owned by the
+    result, so ``payload`` may be reused or freed afterwards.
+    """
+    payload = memoryview(payload).cast("B")
+    segments, offset = _read_table(payload)
+    if offset + sum(stored + _padding(stored) for stored, _, _ in segments) > payload.nbytes:
+        raise ValueError(f"corrupt element payload: truncated at {payload.nbytes} bytes")
+
+    # One arena for all out-of-band buffers, laid out at aligned offsets.
+    arena_size = sum(raw + _padding(raw) for _, raw, _ in segments[1:])
+    arena = memoryview(bytearray(arena_size))
+    stream: Any = None
+    buffers: list[memoryview] = []
+    arena_offset = 0
+    for index, (stored_len, raw_len, flags) in enumerate(segments):
+        stored = payload[offset : offset + stored_len]
+        offset += stored_len + _padding(stored_len)
+        if index == 0:
+            if flags & _FLAG_SNAPPY:
+                stream = memoryview(bytearray(raw_len))
+                _decompress_into(stored, stream)
+            else:
+                stream = stored
+            continue
+        target = arena[arena_offset : arena_offset + raw_len]
+        arena_offset += raw_len + _padding(raw_len)
+        if flags & _FLAG_SNAPPY:
+            _decompress_into(stored, target)
+        elif stored_len != raw_len:
+            raise ValueError(f"corrupt element payload: segment {index} length mismatch")
+        else:
+            target[:] = stored
+        buffers.append(target)
+    return pickle.loads(stream, buffers=buffers)

@@ -1,0 +1,1 @@
+"""The worker: runs pipelines in executor processes and serves elements to clients."""

@@ -1,0 +1,172 @@
+"""The front's side of the executor processes: start them, route messages, notice deaths.
+
+Executor processes are fresh interpreters (`python -m ...executor_process`) connected by a
+socketpair: unlike multiprocessing's "spawn" they never re-import the user's `__main__` (a
+script without an `if __name__ == "__main__"` guard still works), and unlike "fork" they never
+inherit gRPC's threads. With `num_processes=0` the same executor loop runs on a thread of this
+process (for debugging; the GIL then limits a CPU-bound map to one core).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any, Protocol
+
+from torch_dataservice.worker.executor_process import ReplicaKey, executor_main
+
+logger = logging.getLogger(__name__)
+
+_EXECUTOR_BOOT = (
+    "import sys\n"
+    "from multiprocessing.connection import Connection\n"
+    "from torch_dataservice.worker.executor_process import executor_main\n"
+    "executor_main(Connection(int(sys.argv[1])))\n"
+)
+
+
+class ExecutorListener(Protocol):
+    def on_element(self, key: ReplicaKey, split: tuple[int, int] | None, offset: int,
+                   payload: bytes) -> None: ...
+
+    def on_end(self, key: ReplicaKey) -> None: ...
+
+    def on_error(self, key: ReplicaKey, remote_type: str, message: str, tb: str) -> None: ...
+
+    def on_get_split(self, key: ReplicaKey, request_id: int, repetition: int) -> None: ...
+
+    def on_executor_lost(self, slot: int) -> None: ...
+
+
+class _Slot:
+    """One executor (process or thread) and the connection to it."""
+
+    def __init__(self, index: int, use_process: bool) -> None:
+        self.index = index
+        self.conn: Connection
+        self.process: Any = None
+        self.thread: threading.Thread | None = None
+        self.send_lock = threading.Lock()
+        self.datasets: set[str] = set()
+        self.alive = True
+        if use_process:
+            ours_sock, theirs_sock = socket.socketpair()
+            self.conn = Connection(ours_sock.detach())
+            child_fd = theirs_sock.fileno()
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", _EXECUTOR_BOOT, str(child_fd)],
+                pass_fds=(child_fd,), stdin=subprocess.DEVNULL)
+            theirs_sock.close()
+        else:
+            ours, theirs = multiprocessing.Pipe(duplex=True)
+            self.conn = ours
+            self.thread = threading.Thread(
+                target=executor_main, args=(theirs,), name=f"tds-executor-{index}", daemon=True
+            )
+            self.thread.start()
+
+    def send(self, message: tuple) -> bool:
+        with self.send_lock:
+            try:
+                self.conn.send(message)
+                return True
+            except (OSError, ValueError, BrokenPipeError):
+                return False
+
+
+class ExecutorPool:
+    def __init__(self, num_processes: int, listener: ExecutorListener) -> None:
+        self._use_processes = num_processes > 0
+        self._size = max(1, num_processes)
+        self._listener = listener
+        self._slots: list[_Slot] = []
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def start(self) -> None:
+        for index in range(self._size):
+            self._start_slot(index)
+
+    def _start_slot(self, index: int) -> None:
+        slot = _Slot(index, self._use_processes)
+        with self._lock:
+            if index < len(self._slots):
+                self._slots[index] = slot
+            else:
+                self._slots.append(slot)
+        threading.Thread(target=self._receive, args=(slot,), name=f"executor-rx-{index}",
+                         daemon=True).start()
+
+    def _receive(self, slot: _Slot) -> None:
+        listener = self._listener
+        conn = slot.conn
+        while True:
+            try:
+                message = conn.recv()
+                kind = message[0]
+                if kind == "element":
+                    payload = conn.recv_bytes()
+                    listener.on_element(message[1], message[2], message[3], payload)
+                elif kind == "end":
+                    listener.on_end(message[1])
+                elif kind == "error":
+                    listener.on_error(message[1], message[2], message[3], message[4])
+                elif kind == "get_split":
+                    listener.on_get_split(message[1], message[2], message[3])
+            except (EOFError, OSError):
+                break
+            except Exception:
+                logger.exception("executor message handling failed")
+        slot.alive = False
+        if self._closed.is_set():
+            return
+        logger.error("executor %d died; restarting it", slot.index)
+        with slot.send_lock:
+            slot.datasets.clear()
+        self._listener.on_executor_lost(slot.index)
+        if not self._closed.is_set():
+            self._start_slot(slot.index)
+
+    def _slot(self, index: int) -> _Slot:
+        with self._lock:
+            return self._slots[index % self._size]
+
+    def start_replica(self, slot_index: int, key: ReplicaKey, dataset_id: str,
+                      pipeline_bytes: Callable[[], bytes], rewrites: list[tuple[str, int, int]],
+                      compression: str | None, use_splits: bool, credits: int) -> bool:
+        slot = self._slot(slot_index)
+        if dataset_id not in slot.datasets:
+            if not slot.send(("dataset", dataset_id, pipeline_bytes())):
+                return False
+            slot.datasets.add(dataset_id)
+        return slot.send(("start", key, dataset_id, rewrites, compression, use_splits, credits))
+
+    def send(self, slot_index: int, message: tuple) -> None:
+        self._slot(slot_index).send(message)
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            slots = list(self._slots)
+        for slot in slots:
+            slot.send(("shutdown",))
+        for slot in slots:
+            if slot.process is not None:
+                try:
+                    slot.process.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    slot.process.kill()
+                    slot.process.wait(timeout=5)
+            elif slot.thread is not None:
+                slot.thread.join(timeout=5)
+            slot.conn.close()

@@ -1,0 +1,174 @@
+"""WorkerServer: executor processes, a gRPC front, and a heartbeat to the dispatcher."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+
+import grpc
+
+from torch_dataservice.config import WorkerConfig
+from torch_dataservice.errors import ServiceUnavailableError
+from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
+from torch_dataservice.rpc import channel_to, retry
+from torch_dataservice.serving import BackgroundLoop, start_grpc_server
+from torch_dataservice.worker import local
+from torch_dataservice.worker.service import WorkerService
+from torch_dataservice.worker.tasks import TaskManager
+
+logger = logging.getLogger(__name__)
+
+REGISTRATION_WAIT_S = 10.0
+
+
+class WorkerRefusedError(RuntimeError):
+    """The dispatcher refused this worker (e.g. not on its fixed worker list)."""
+
+
+class WorkerServer:
+    """A worker serving elements on `config.host:config.port` (0 = a free port).
+
+    `start()` returns once the worker registered with the dispatcher, or after a few seconds
+    if the dispatcher is not reachable yet (registration goes on in the background).
+    """
+
+    def __init__(self, config: WorkerConfig, start: bool = True) -> None:
+        self._config = config
+        self._uid = random.getrandbits(62)
+        self._server: grpc.Server | None = None
+        self._port = config.port
+        self._address = ""
+        self._registered = threading.Event()
+        self._stopped = threading.Event()
+        self.refused: str | None = None
+        self._tasks: TaskManager | None = None
+        self._heartbeat: BackgroundLoop | None = None
+        self._dataset_cache: dict[str, common_pb2.DatasetDef] = {}
+        self._dispatcher = dispatcher_pb2_grpc.DispatcherServiceStub(
+            channel_to(config.dispatcher_address))
+        if start:
+            self.start()
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def config(self) -> WorkerConfig:
+        return self._config
+
+    @property
+    def service(self) -> WorkerService | None:
+        return self._service if self._server is not None else None
+
+    def start(self) -> None:
+        if self._server is not None:
+            return
+        self._tasks = TaskManager(self._dataset, self._get_split, self._report_completed,
+                                  self._config.effective_num_processes)
+        self._tasks.start()  # spawn executors before gRPC starts its threads
+        self._service = WorkerService(self._tasks, self._registered.is_set)
+        self._server, self._port = start_grpc_server(
+            self._service.register, self._config.host, self._config.port)
+        self._address = self._config.worker_address or f"{self._config.host}:{self._port}"
+        local.register(self._address, self._service)
+        self._heartbeat = BackgroundLoop(
+            "worker-heartbeat", self._config.effective_heartbeat_interval_ms / 1000,
+            self._send_heartbeat)
+        deadline = time.monotonic() + REGISTRATION_WAIT_S
+        while time.monotonic() < deadline and self.refused is None:
+            try:
+                self._send_heartbeat()
+                break
+            except grpc.RpcError:
+                time.sleep(0.1)
+        self._heartbeat.start()
+        logger.info("worker serving at %s", self._address)
+
+    def _deadline_s(self) -> float:
+        return self._config.effective_dispatcher_timeout_ms / 1000
+
+    def _send_heartbeat(self) -> None:
+        if self.refused is not None or self._tasks is None:
+            return
+        request = dispatcher_pb2.WorkerHeartbeatRequest(
+            worker_address=self._address, worker_uid=self._uid,
+            current_tasks=self._tasks.task_ids(), host_id=local.HOST_ID,
+            process_id=local.process_id())
+        try:
+            response = self._dispatcher.WorkerHeartbeat(request, timeout=5)
+        except grpc.RpcError as error:
+            if error.code() in (grpc.StatusCode.INVALID_ARGUMENT,
+                                grpc.StatusCode.FAILED_PRECONDITION):
+                self.refused = error.details()
+                logger.error("the dispatcher refused this worker: %s", self.refused)
+                self._stopped.set()
+                return
+            raise
+        for task in response.new_tasks:
+            self._tasks.add(task)
+        for task_id in response.tasks_to_delete:
+            self._tasks.delete(task_id)
+        self._registered.set()
+
+    def _dataset(self, dataset_id: str) -> common_pb2.DatasetDef:
+        cached = self._dataset_cache.get(dataset_id)
+        if cached is None:
+            response = retry(
+                lambda: self._dispatcher.GetDatasetDef(
+                    dispatcher_pb2.GetDatasetDefRequest(dataset_id=dataset_id), timeout=10),
+                description=f"fetching dataset {dataset_id}", deadline_s=self._deadline_s())
+            cached = self._dataset_cache[dataset_id] = response.dataset
+        return cached
+
+    def _get_split(self, task: common_pb2.TaskDef, repetition: int) -> tuple[int | None, int]:
+        request = dispatcher_pb2.GetSplitRequest(
+            iteration_id=task.iteration_id, repetition=repetition, task_id=task.task_id)
+        response = retry(lambda: self._dispatcher.GetSplit(request, timeout=10),
+                         description="GetSplit", deadline_s=self._deadline_s(),
+                         stop=self._stopped)
+        if response.end_of_splits:
+            return None, 0
+        return response.split_index, response.skip
+
+    def _report_completed(self, task_id: int) -> None:
+        def report() -> None:
+            request = dispatcher_pb2.WorkerUpdateRequest(
+                worker_address=self._address, completed_tasks=[task_id])
+            try:
+                retry(lambda: self._dispatcher.WorkerUpdate(request, timeout=10),
+                      description="WorkerUpdate", deadline_s=self._deadline_s(),
+                      stop=self._stopped)
+            except ServiceUnavailableError as error:
+                logger.warning("could not report task %d complete: %s", task_id, error)
+
+        threading.Thread(target=report, name="task-complete", daemon=True).start()
+
+    def stop(self) -> None:
+        if self._server is None:
+            return
+        self._stopped.set()
+        local.unregister(self._address)
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        self._server.stop(grace=0.5).wait(5)
+        if self._tasks is not None:
+            self._tasks.close()
+        self._server = None
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Block until `stop()` or until the dispatcher refused this worker."""
+        return self._stopped.wait(timeout)
+
+    def __enter__(self) -> WorkerServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

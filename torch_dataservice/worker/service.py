@@ -1,0 +1,76 @@
+"""The worker's gRPC handlers. GetElements replies with a raw frame (see wire/frame.py)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from torch_dataservice.proto import worker_pb2
+from torch_dataservice.wire import frame
+from torch_dataservice.worker.tasks import TaskManager
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "torch_dataservice.v1.WorkerService"
+FETCH_WAIT_S = 0.5  # long-poll: an empty reply after this, so no request holds a thread long
+
+
+class WorkerService:
+    def __init__(self, tasks: TaskManager, is_registered: Callable[[], bool]) -> None:
+        self._tasks = tasks
+        self._is_registered = is_registered
+
+    def fetch(self, request: worker_pb2.GetElementsRequest) -> tuple[
+            worker_pb2.ElementBatchHeader, list[bytes]]:
+        """The elements for one GetElements request (also used by in-process readers)."""
+        elements, end, error = self._tasks.get_elements(
+            request.task_id, max(1, request.max_elements or 1),
+            request.max_bytes or (64 << 20), FETCH_WAIT_S)
+        header = worker_pb2.ElementBatchHeader(end_of_sequence=end)
+        for element in elements:
+            info = header.elements.add(offset=element.offset)
+            if element.split is not None:
+                info.has_split = True
+                info.split.repetition, info.split.index = element.split
+        if error is not None:
+            header.has_error = True
+            header.error.type, header.error.message, header.error.traceback = error
+        return header, [element.payload for element in elements]
+
+    def GetElements(self, request: worker_pb2.GetElementsRequest,
+                    context: grpc.ServicerContext) -> bytes:
+        if not self._is_registered():
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          "worker has not registered with the dispatcher yet")
+        try:
+            header, payloads = self.fetch(request)
+        except LookupError:
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"task {request.task_id} is not known here yet")
+        except Exception as error:
+            logger.exception("GetElements failed")
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
+        return frame.build_frame(header, [[payload] for payload in payloads])
+
+    def ProcessTask(self, request: worker_pb2.ProcessTaskRequest,
+                    context: grpc.ServicerContext) -> worker_pb2.ProcessTaskResponse:
+        self._tasks.add(request.task)
+        return worker_pb2.ProcessTaskResponse()
+
+    def register(self, server: grpc.Server) -> None:
+        handlers = {
+            "GetElements": grpc.unary_unary_rpc_method_handler(
+                self.GetElements,
+                request_deserializer=worker_pb2.GetElementsRequest.FromString,
+                response_serializer=None,  # already bytes
+            ),
+            "ProcessTask": grpc.unary_unary_rpc_method_handler(
+                self.ProcessTask,
+                request_deserializer=worker_pb2.ProcessTaskRequest.FromString,
+                response_serializer=worker_pb2.ProcessTaskResponse.SerializeToString,
+            ),
+        }
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -1,0 +1,284 @@
+"""Tasks on a worker: the part of an iteration this worker runs, and who gets which element.
+
+A task is started lazily, on the first fetch (a task nobody reads costs nothing and takes no
+splits). It runs as one or more replicas in the executor processes; their encoded elements
+meet in one bounded buffer that fetches drain first-come-first-served. Every element handed
+out returns a credit to the replica that made it, which is the back-pressure.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from torch_dataservice.errors import ServiceUnavailableError
+from torch_dataservice.proto import common_pb2
+from torch_dataservice.worker.executor import ExecutorPool
+from torch_dataservice.worker.executor_process import ReplicaKey
+from torch_dataservice.worker.splits import LocalSplitCursor
+
+logger = logging.getLogger(__name__)
+
+OFF, DYNAMIC, FILE, DATA, FILE_OR_DATA, HINT = range(6)
+CREDITS_PER_REPLICA = 4
+
+
+@dataclass
+class BufferedElement:
+    payload: bytes
+    split: tuple[int, int] | None
+    offset: int
+    replica: int
+
+
+@dataclass
+class ReplicaPlan:
+    rewrites: list[tuple[str, int, int]]
+    use_splits: bool
+
+
+def plan_replicas(task: common_pb2.TaskDef, dataset: common_pb2.DatasetDef,
+                  num_executors: int) -> tuple[list[ReplicaPlan], bool]:
+    """How many copies of the pipeline run for `task`, each rewritten how.
+
+    Returns (plans, local_splits): with local_splits the worker itself hands out the splits
+    of the whole dataset to its replicas (OFF), otherwise replicas that use splits ask the
+    dispatcher (DYNAMIC). Replicas run in parallel on different cores; only transformations
+    that do not depend on an element's position in the stream allow that (see DatasetDef).
+    """
+    policy = task.sharding_policy
+    if policy == FILE_OR_DATA:
+        policy = FILE if dataset.file_based else DATA
+    if policy == DYNAMIC:
+        return [ReplicaPlan([], True) for _ in range(num_executors)], False
+    if policy == OFF:
+        if dataset.splittable and not dataset.order_sensitive and num_executors > 1:
+            return [ReplicaPlan([], True) for _ in range(num_executors)], True
+        return [ReplicaPlan([], False)], False
+    n, i = task.num_workers, task.worker_index
+    if policy == FILE:
+        files_here = len(range(i, dataset.num_files, n))
+        if dataset.order_sensitive:
+            return [ReplicaPlan([("files", n, i)], False)], False
+        count = max(1, min(num_executors, files_here))
+        return [ReplicaPlan([("files", n, i), ("files", count, j)], False)
+                for j in range(count)], False
+    if policy == DATA:
+        return [ReplicaPlan([("data", n, i)], False)], False
+    if policy == HINT:
+        return [ReplicaPlan([("hints", n, i)], False)], False
+    raise ValueError(f"unknown sharding policy {policy}")
+
+
+@dataclass
+class Task:
+    definition: common_pb2.TaskDef
+    replicas: list[int] = field(default_factory=list)  # executor slot of each replica
+    buffer: deque[BufferedElement] = field(default_factory=deque)
+    ended_replicas: set[int] = field(default_factory=set)
+    error: tuple[str, str, str] | None = None
+    local_cursor: LocalSplitCursor | None = None
+    started: bool = False
+    completed: bool = False  # end_of_sequence handed to a client
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+    @property
+    def task_id(self) -> int:
+        return self.definition.task_id
+
+    def exhausted(self) -> bool:
+        return self.started and len(self.ended_replicas) == len(self.replicas) and not self.buffer
+
+
+class TaskManager:
+    """All tasks of this worker; implements the executor pool's listener."""
+
+    def __init__(
+        self,
+        get_dataset: Callable[[str], common_pb2.DatasetDef],
+        get_split: Callable[[common_pb2.TaskDef, int], tuple[int | None, int]],
+        report_completed: Callable[[int], None],
+        num_executors: int,
+    ) -> None:
+        self._get_dataset = get_dataset
+        self._get_split = get_split
+        self._report_completed = report_completed
+        self._lock = threading.Lock()
+        self._tasks: dict[int, Task] = {}
+        self._finished: set[int] = set()
+        self._executors = ExecutorPool(num_executors, self)
+        self._split_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="get-split")
+
+    def start(self) -> None:
+        self._executors.start()
+
+    def close(self) -> None:
+        with self._lock:
+            tasks = list(self._tasks.values())
+        for task in tasks:
+            self._stop_replicas(task)
+        self._executors.close()
+        self._split_pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ task set
+    def task_ids(self) -> list[int]:
+        with self._lock:
+            return sorted(self._tasks)
+
+    def add(self, definition: common_pb2.TaskDef) -> None:
+        """Idempotent: a task id already known is ignored."""
+        with self._lock:
+            if definition.task_id not in self._tasks and definition.task_id not in self._finished:
+                self._tasks[definition.task_id] = Task(definition)
+
+    def delete(self, task_id: int) -> None:
+        with self._lock:
+            task = self._tasks.pop(task_id, None)
+            self._finished.discard(task_id)
+        if task is not None:
+            self._stop_replicas(task)
+            with task.cond:
+                task.buffer.clear()
+                task.cond.notify_all()
+
+    def _stop_replicas(self, task: Task) -> None:
+        for index, slot in enumerate(task.replicas):
+            self._executors.send(slot, ("stop", (task.task_id, index)))
+
+    def get(self, task_id: int) -> Task | None:
+        with self._lock:
+            return self._tasks.get(task_id)
+
+    def _ensure_started(self, task: Task) -> None:
+        with task.cond:
+            if task.started:
+                return
+            definition = task.definition
+            dataset = self._get_dataset(definition.dataset_id)
+            plans, local_splits = plan_replicas(definition, dataset, self._executors.size)
+            if local_splits:
+                task.local_cursor = LocalSplitCursor(dataset.num_splits)
+            compression = "AUTO" if definition.compression else None
+            task.replicas = [index % self._executors.size for index in range(len(plans))]
+            task.started = True
+            for index, plan in enumerate(plans):
+                ok = self._executors.start_replica(
+                    task.replicas[index], (task.task_id, index), definition.dataset_id,
+                    lambda: dataset.pipeline, plan.rewrites, compression, plan.use_splits,
+                    CREDITS_PER_REPLICA)
+                if not ok:
+                    task.error = ("RuntimeError", "executor process unavailable", "")
+
+    # ------------------------------------------------------------------ fetching
+    def get_elements(self, task_id: int, max_elements: int, max_bytes: int,
+                     wait_s: float) -> tuple[list[BufferedElement], bool, tuple | None]:
+        """Up to `max_elements` (and about `max_bytes`) elements; waits up to `wait_s` for one.
+
+        Returns (elements, end_of_sequence, error). An unknown task that finished here is at
+        its end; one never seen is 'not ready yet' (the heartbeat may not have delivered it).
+        """
+        task = self.get(task_id)
+        if task is None:
+            with self._lock:
+                finished = task_id in self._finished
+            if finished:
+                return [], True, None
+            raise LookupError(task_id)
+        self._ensure_started(task)
+        deadline = time.monotonic() + wait_s
+        taken: list[BufferedElement] = []
+        with task.cond:
+            while not task.buffer and task.error is None and not task.exhausted():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return [], False, None
+                task.cond.wait(remaining)
+            size = 0
+            while task.buffer and len(taken) < max_elements and (not taken or size < max_bytes):
+                element = task.buffer.popleft()
+                taken.append(element)
+                size += len(element.payload)
+            error = task.error if not task.buffer else None
+            end = task.exhausted() and error is None
+            first_completion = end and not task.completed
+            if end:
+                task.completed = True
+        credits: dict[int, int] = {}
+        for element in taken:
+            credits[element.replica] = credits.get(element.replica, 0) + 1
+        for replica, n in credits.items():
+            if replica not in task.ended_replicas:
+                self._executors.send(task.replicas[replica], ("credit", (task_id, replica), n))
+        if first_completion:
+            self._report_completed(task_id)
+        return taken, end and not taken, error
+
+    # ------------------------------------------------------------------ executor listener
+    def _task_for(self, key: ReplicaKey) -> Task | None:
+        return self.get(key[0])
+
+    def on_element(self, key: ReplicaKey, split: tuple[int, int] | None, offset: int,
+                   payload: bytes) -> None:
+        task = self._task_for(key)
+        if task is None:
+            return
+        with task.cond:
+            task.buffer.append(BufferedElement(payload, split, offset, key[1]))
+            task.cond.notify_all()
+
+    def on_end(self, key: ReplicaKey) -> None:
+        task = self._task_for(key)
+        if task is None:
+            return
+        with task.cond:
+            task.ended_replicas.add(key[1])
+            task.cond.notify_all()
+
+    def on_error(self, key: ReplicaKey, remote_type: str, message: str, tb: str) -> None:
+        task = self._task_for(key)
+        if task is None:
+            return
+        logger.warning("task %d failed: %s: %s", key[0], remote_type, message)
+        with task.cond:
+            if task.error is None:
+                task.error = (remote_type, message, tb)
+            task.ended_replicas.add(key[1])
+            task.cond.notify_all()
+        self._stop_replicas(task)
+
+    def on_get_split(self, key: ReplicaKey, request_id: int, repetition: int) -> None:
+        task = self._task_for(key)
+        if task is None:
+            return
+        slot = task.replicas[key[1]]
+        if task.local_cursor is not None:
+            index = task.local_cursor.next(repetition)
+            self._executors.send(slot, ("split", key, request_id, index, 0))
+            return
+
+        def fetch() -> None:
+            try:
+                index, skip = self._get_split(task.definition, repetition)
+            except ServiceUnavailableError as error:
+                self.on_error(key, "ServiceUnavailableError", str(error), "")
+                return
+            except Exception as error:
+                self.on_error(key, type(error).__name__, f"GetSplit failed: {error}", "")
+                return
+            self._executors.send(slot, ("split", key, request_id, index, skip))
+
+        self._split_pool.submit(fetch)
+
+    def on_executor_lost(self, slot: int) -> None:
+        with self._lock:
+            tasks = list(self._tasks.values())
+        for task in tasks:
+            for index, replica_slot in enumerate(task.replicas):
+                if replica_slot == slot and index not in task.ended_replicas:
+                    self.on_error((task.task_id, index), "RuntimeError",
+                                  "the executor process running this task died", "")
