@@ -47,9 +47,18 @@ class BackgroundLoop:
         self._thread.start()
 
     def _run(self) -> None:
+        failures = 0
         while not self._stop.wait(self._interval_s):
             try:
                 self._body()
+                failures = 0
+            except grpc.RpcError as error:
+                # A peer that is down (e.g. a restarting dispatcher): one line, not a traceback
+                # per beat, and only on the first failure and then every 20th.
+                if failures % 20 == 0:
+                    logger.warning("%s: %s (%s)", self._thread.name, error.code().name,
+                                   error.details())
+                failures += 1
             except Exception:
                 logger.exception("%s failed", self._thread.name)
 

@@ -224,7 +224,8 @@ class ServiceSource:
             self._options.address, config, repetition if named else 0,
             self._options.max_outstanding_requests, connect_timeout_s(),
             trainer_id=(self._options.cross_trainer_cache.trainer_id
-                        if self._options.cross_trainer_cache else ""))
+                        if self._options.cross_trainer_cache else ""),
+            consumer_index=self._options.consumer_index)
         try:
             yield from reader
         finally:
@@ -263,6 +264,12 @@ def distribute(processing_mode: Any, service: Any, job_name: str | None = None,
     _check_compression(compression)
 
     def apply(pipeline: Pipeline) -> Pipeline:
+        # As at registration in tf.data service: refuse a pipeline the policy cannot divide.
+        if (options.policy == ShardingPolicy.DYNAMIC and isinstance(pipeline, Pipeline)
+                and not pipeline.is_splittable):
+            raise ValueError(
+                "sharding policy DYNAMIC needs a splittable source (range, from_items, "
+                f"list_files or from_dataset), got {pipeline.source.describe()}")
         dataset_id = register_dataset(service, pipeline, compression=compression)
         return Pipeline.from_iterable(ServiceSource(options, dataset_id, job_name))
 

@@ -5,6 +5,18 @@ workers may come and go mid-epoch). Fetch threads, at most `max_outstanding_requ
 take a task round-robin, ask its worker for a batch of elements and queue it; a slot is only
 freed when the consumer has taken the whole batch, so memory stays bounded by
 `max_outstanding_requests` fetches. Elements are decoded in the consumer's thread.
+
+Coordinated reads (`consumer_index` / `num_consumers`) use one fetch thread instead, asking for
+round r, r+1, ... in order from task `tasks[r % len(tasks)]`, where `tasks` is the iteration's
+task set sorted by id, fixed when the reader starts (the dispatcher adds no task to a
+coordinated iteration once it has some, so every consumer sees the same set). A task at its end
+leaves the set at the same round for every consumer (its worker answers end_of_sequence for
+that round to all of them), and the iteration ends when no task is left.
+
+target_workers: "LOCAL" reads only workers on this host; "AUTO" means LOCAL under static
+sharding (FILE, DATA, FILE_OR_DATA, HINT) and every worker otherwise; "ANY" reads every worker.
+A worker in this process is read without gRPC (a direct call) unless target_workers is "ANY",
+which always takes the network path, as a remote trainer would.
 """
 
 from __future__ import annotations
@@ -27,12 +39,18 @@ from torch_dataservice.wire import codec, frame
 from torch_dataservice.worker import local
 from torch_dataservice.worker.service import SERVICE_NAME
 
+STATIC_POLICIES = (2, 3, 4, 5)  # FILE, DATA, FILE_OR_DATA, HINT
+DYNAMIC = 1
+
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.1
 FETCH_MAX_ELEMENTS = 512
 FETCH_MAX_BYTES = 8 << 20
 UNREACHABLE_BACKOFF_S = 0.2
+# An in-process worker that does not know a task yet gets it from the dispatcher's push within
+# milliseconds: retry soon, or every epoch's first batch waits a whole backoff.
+UNKNOWN_TASK_BACKOFF_S = 0.02
 DEFAULT_MAX_OUTSTANDING = 4
 
 
@@ -62,22 +80,39 @@ class IterationReader:
         max_outstanding_requests: int | None,
         connect_timeout_s: float,
         trainer_id: str = "",
+        consumer_index: int | None = None,
     ) -> None:
         self._dispatcher = dispatcher_pb2_grpc.DispatcherServiceStub(
             channel_to(dispatcher_address))
         self._target_workers = job_config.target_workers or "AUTO"
+        if self._target_workers == "AUTO" and job_config.sharding_policy in STATIC_POLICIES:
+            self._target_workers = "LOCAL"  # static shards are read where they are made
+        self._num_consumers = (job_config.num_consumers
+                               if job_config.HasField("num_consumers") else None)
+        if (consumer_index is None) != (self._num_consumers is None):
+            raise ValueError("coordinated reads need both consumer_index and num_consumers, got "
+                             f"consumer_index={consumer_index!r}, "
+                             f"num_consumers={self._num_consumers!r}")
+        self._consumer_index = consumer_index
+        self._coordinated_tasks: list[int] | None = None  # fixed task set, sorted by id
+        self._coordinated_finished = False
+        self._skipped_tasks = False  # some tasks are not read here (LOCAL)
         self._trainer_id = trainer_id
         self._connect_timeout_s = connect_timeout_s
-        job = retry(
-            lambda: self._dispatcher.GetOrCreateJob(
-                dispatcher_pb2.GetOrCreateJobRequest(config=job_config), timeout=10),
-            description=f"creating a job at {dispatcher_address}", deadline_s=connect_timeout_s,
-            )
-        iteration = retry(
-            lambda: self._dispatcher.GetOrCreateIteration(
-                dispatcher_pb2.GetOrCreateIterationRequest(job_id=job.job_id,
-                                                           repetition=repetition), timeout=10),
-            description="creating an iteration", deadline_s=connect_timeout_s)
+        try:
+            job = retry(
+                lambda: self._dispatcher.GetOrCreateJob(
+                    dispatcher_pb2.GetOrCreateJobRequest(config=job_config), timeout=10),
+                description=f"creating a job at {dispatcher_address}",
+                deadline_s=connect_timeout_s)
+            iteration = retry(
+                lambda: self._dispatcher.GetOrCreateIteration(
+                    dispatcher_pb2.GetOrCreateIterationRequest(job_id=job.job_id,
+                                                               repetition=repetition),
+                    timeout=10),
+                description="creating an iteration", deadline_s=connect_timeout_s)
+        except grpc.RpcError as error:  # a refusal (bad job config, unknown dataset): say why
+            raise rpc_error_to_exception(error, "joining a job") from None
         self.iteration_id = iteration.iteration_id
         self.client_id = iteration.client_id
         self._max_outstanding = max_outstanding_requests or DEFAULT_MAX_OUTSTANDING
@@ -92,23 +127,43 @@ class IterationReader:
         self._current: _Batch | None = None
         self._fatal: BaseException | None = None
         self._closed = threading.Event()
+        # Exactly-once DYNAMIC (dispatcher/service.py): the (split, offset) of every element
+        # received, to drop one handed again, and those not yet reported to the dispatcher.
+        self._exactly_once = (job_config.sharding_policy == DYNAMIC
+                              and not job_config.HasField("num_consumers"))
+        self._received_lock = threading.Lock()
+        self._seen: dict[tuple[int, int], set[int]] = {}
+        self._unreported: dict[tuple[int, int], list[int]] = {}
         self._threads = [threading.Thread(target=self._heartbeat_loop, daemon=True,
                                           name=f"reader-heartbeat-{self.client_id}")]
-        self._threads += [
-            threading.Thread(target=self._fetch_loop, daemon=True,
-                             name=f"reader-fetch-{self.client_id}-{i}")
-            for i in range(self._max_outstanding)
-        ]
+        if self._consumer_index is not None:
+            self._threads.append(threading.Thread(
+                target=self._coordinated_loop, daemon=True,
+                name=f"reader-rounds-{self.client_id}"))
+        else:
+            self._threads += [
+                threading.Thread(target=self._fetch_loop, daemon=True,
+                                 name=f"reader-fetch-{self.client_id}-{i}")
+                for i in range(self._max_outstanding)
+            ]
         self._heartbeat()
         for thread in self._threads:
             thread.start()
 
     # ------------------------------------------------------------------ dispatcher
     def _heartbeat(self) -> None:
+        with self._received_lock:
+            unreported, self._unreported = self._unreported, {}
+        request = dispatcher_pb2.ClientHeartbeatRequest(client_id=self.client_id)
+        for (repetition, index), offsets in unreported.items():
+            request.received.add(split=common_pb2.SplitKey(repetition=repetition, index=index),
+                                 offsets=offsets)
         try:
-            response = self._dispatcher.ClientHeartbeat(
-                dispatcher_pb2.ClientHeartbeatRequest(client_id=self.client_id), timeout=5)
+            response = self._dispatcher.ClientHeartbeat(request, timeout=5)
         except grpc.RpcError as error:
+            with self._received_lock:  # report them with the next heartbeat
+                for key, offsets in unreported.items():
+                    self._unreported.setdefault(key, []).extend(offsets)
             if is_retryable(error) or error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return  # the dispatcher may be restarting: keep reading known workers
             with self._lock:
@@ -121,6 +176,7 @@ class IterationReader:
             listed = set()
             for info in response.tasks:
                 if not self._wanted(info):
+                    self._skipped_tasks = True
                     continue
                 listed.add(info.task_id)
                 if info.task_id not in self._tasks:
@@ -130,10 +186,22 @@ class IterationReader:
                     # Finished or its worker is gone: nothing more will come from it.
                     state.ended = True
             self._task_order = sorted(t for t, s in self._tasks.items() if not s.ended)
+            if self._consumer_index is not None and self._coordinated_tasks is None \
+                    and self._tasks:
+                self._coordinated_tasks = sorted(self._tasks)
+            if response.tasks and not listed and self._target_workers == "LOCAL" \
+                    and not self._tasks and self._fatal is None:
+                hosts = sorted({info.worker_address for info in response.tasks})
+                self._fatal = ValueError(
+                    f"target_workers='LOCAL' (or 'AUTO' under static sharding) reads only "
+                    f"workers on this host ({local.HOST_ID}), but the job's workers {hosts} "
+                    "run elsewhere")
             self._iteration_finished = response.iteration_finished
             self._lock.notify_all()
 
     def _wanted(self, info: common_pb2.TaskInfo) -> bool:
+        if self._consumer_index is not None:
+            return True  # every consumer must see the same task set
         if self._target_workers == "LOCAL":
             return info.host_id == local.HOST_ID
         return True
@@ -180,15 +248,20 @@ class IterationReader:
                         self._slots.release()
                     self._lock.notify_all()
 
-    def _fetch(self, state: _TaskState) -> _Batch | None:
+    def _fetch(self, state: _TaskState, round_index: int | None = None) -> _Batch | None:
         request = worker_pb2.GetElementsRequest(
             task_id=state.info.task_id, client_id=self.client_id,
             max_elements=FETCH_MAX_ELEMENTS, max_bytes=FETCH_MAX_BYTES,
             trainer_id=self._trainer_id)
+        if round_index is not None:
+            request.consumer_index = self._consumer_index
+            request.round_index = round_index
+            request.max_elements = 1
         address = state.info.worker_address
         try:
-            service = local.lookup(address) if state.info.process_id == local.process_id() \
-                else None
+            service = local.lookup(address) if (
+                state.info.process_id == local.process_id()
+                and self._target_workers != "ANY") else None
             if service is not None:
                 header, payloads = service.fetch(request)
             else:
@@ -207,10 +280,10 @@ class IterationReader:
                 self._fatal = rpc_error_to_exception(error, f"reading from worker {address}")
             return None
         except LookupError:
-            state.retry_at = time.monotonic() + UNREACHABLE_BACKOFF_S
+            state.retry_at = time.monotonic() + UNKNOWN_TASK_BACKOFF_S
             return None
         state.failures = 0
-        batch = _Batch(deque(payloads))
+        batch = _Batch(deque(self._keep_new(header, payloads)))
         if header.has_error:
             batch.error = RemoteError(header.error.type, header.error.message,
                                       header.error.traceback)
@@ -218,10 +291,107 @@ class IterationReader:
             state.ended = True
         return batch
 
+    def _keep_new(self, header: worker_pb2.ElementBatchHeader,
+                  payloads: list) -> list:
+        """Exactly-once DYNAMIC: drop elements already received (a split handed again after
+        its worker died) and remember the others for the next heartbeat."""
+        if not self._exactly_once or not payloads:
+            return payloads
+        kept = []
+        with self._received_lock:
+            for info, payload in zip(header.elements, payloads, strict=False):
+                if info.has_split:
+                    key = (info.split.repetition, info.split.index)
+                    seen = self._seen.setdefault(key, set())
+                    if info.offset in seen:
+                        continue
+                    seen.add(info.offset)
+                    self._unreported.setdefault(key, []).append(info.offset)
+                kept.append(payload)
+        return kept
+
+    def _coordinated_loop(self) -> None:
+        """Coordinated reads: one fetch at a time, in round order (see the module docstring)."""
+        round_index = 0
+        active: list[int] | None = None
+        while not self._closed.is_set():
+            if active is None:
+                with self._lock:
+                    if self._coordinated_tasks is None:
+                        self._lock.wait(0.05)
+                        continue
+                    active = list(self._coordinated_tasks)
+            if not active:
+                with self._lock:
+                    self._coordinated_finished = True
+                    self._lock.notify_all()
+                return
+            if not self._slots.acquire(timeout=0.2):
+                continue
+            state = self._tasks[active[round_index % len(active)]]
+            with self._lock:
+                self._in_flight += 1
+            batch: _Batch | None = None
+            try:
+                batch = self._fetch_round(state, round_index)
+            finally:
+                with self._lock:
+                    self._in_flight -= 1
+                    if batch is not None and (batch.payloads or batch.error):
+                        self._results.put(batch)
+                    else:
+                        self._slots.release()
+                    self._lock.notify_all()
+            if batch is None:
+                return  # closed or failed (self._fatal is set)
+            if batch.error is not None:
+                return
+            if batch.payloads:
+                round_index += 1
+            else:  # end of this task: the same round goes to the next task, for everyone
+                active.remove(state.info.task_id)
+
+    def _fetch_round(self, state: _TaskState, round_index: int) -> _Batch | None:
+        """This consumer's element of `round_index` from `state`'s task (empty batch: its end)."""
+        failing_since: float | None = None
+        while not self._closed.is_set():
+            now = time.monotonic()
+            if state.retry_at > now:
+                self._closed.wait(state.retry_at - now)
+                continue
+            try:
+                batch = self._fetch(state, round_index)
+            except Exception as error:  # raised by an in-process worker
+                with self._lock:
+                    self._fatal = error
+                return None
+            if self._fatal is not None:
+                return None
+            if batch is None:  # worker unreachable: keep trying, but not forever
+                failing_since = failing_since or now
+                if now - failing_since > self._connect_timeout_s:
+                    with self._lock:
+                        self._fatal = RuntimeError(
+                            f"coordinated read of round {round_index}: worker "
+                            f"{state.info.worker_address} unreachable for "
+                            f"{now - failing_since:.0f}s; coordinated reads cannot continue "
+                            "without one of their workers")
+                    return None
+                continue
+            failing_since = None
+            if batch.payloads or batch.error is not None or state.ended:
+                return batch
+        return None
+
     # ------------------------------------------------------------------ consuming
     def _done(self) -> bool:
         if self._in_flight or not self._results.empty():
             return False
+        if self._consumer_index is not None:
+            return self._coordinated_finished
+        if self._skipped_tasks:
+            # Tasks read elsewhere never finish here: done when every task we read ended.
+            return bool(self._tasks) and all(s.ended for s in self._tasks.values())
         if not self._iteration_finished:
             return False
         return all(state.ended or not state.in_use for state in self._tasks.values())

@@ -1,19 +1,27 @@
 """Where the dispatcher's updates go before they are applied.
 
-Without fault tolerance nothing is kept (`NullJournal`). The fault-tolerant journal writes
-each update to `work_dir` and replays them on start.
+Without fault tolerance nothing is kept (`NullJournal`). The fault-tolerant journal
+(`file_journal.FileJournal`) writes each update to `work_dir` and replays them on start.
+
+The service appends under its lock, in apply order, and calls `sync()` before every reply
+with the lock released: a reply never depends on an update that is not durable, and
+concurrent requests share one fsync.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 from torch_dataservice.proto import dispatcher_pb2
 
 
 class Journal(Protocol):
     def append(self, update: dispatcher_pb2.Update) -> None: ...
+
+    def sync(self) -> None: ...
+
+    def maybe_compact(self, state: Any) -> bool: ...
 
     def replay(self) -> Iterator[dispatcher_pb2.Update]: ...
 
@@ -25,6 +33,12 @@ class NullJournal:
 
     def append(self, update: dispatcher_pb2.Update) -> None:
         pass
+
+    def sync(self) -> None:
+        pass
+
+    def maybe_compact(self, state: Any) -> bool:
+        return False
 
     def replay(self) -> Iterator[dispatcher_pb2.Update]:
         return iter(())

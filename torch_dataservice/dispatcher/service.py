@@ -3,22 +3,50 @@
 All decisions are taken under one lock, turned into `Update` records, journaled and applied
 to `DispatcherState`. Soft state (heartbeat times, push threads) lives here and is re-learned
 after a restart. Pushing new tasks to workers is best-effort and outside the lock: a worker
-that misses a push gets the task in its next heartbeat reply.
+that misses a push gets the task in its next heartbeat reply. Every RPC syncs the journal
+(group commit, see dispatcher/file_journal.py) after releasing the lock and before replying.
+
+Visitation under DYNAMIC sharding: every element of an epoch is delivered exactly once, even
+when workers die, the dispatcher restarts or an idle iteration is collected and recreated,
+provided that
+  - the pipeline is deterministic per split (the same split yields the same elements in the
+    same order on any worker) and every output element comes from exactly one split through
+    a synchronous chain: map, filter, flat_map (and take/skip-free element-wise steps);
+    shuffle, batch, prefetch, parallel map and interleave read ahead or mix splits, so the
+    (split, offset) tag of an element is not exact there and the guarantee falls back to
+    tf.data service's at-most-once for the splits a dead worker held;
+  - a worker declared dead (silent for worker_timeout_ms, or re-registered with a new uid) is
+    really gone: a partitioned worker that still serves elements after its splits were handed
+    again may deliver some twice (each client still drops what it already got);
+  - the source is not under `repeat()` with a requeued split of a repetition every task has
+    already left (such a split waits for a task of its own repetition).
+How: workers tag each element with (split repetition, split index, offset in the split) and
+report each split's element count when they finish producing it; clients report the offsets
+they received in their heartbeats; a split is settled when all its offsets were received.
+When a worker leaves, each split it held and that is not settled goes back to its iteration
+(RequeueSplit) with the offsets already delivered; it is handed again, once every client of
+the iteration has heartbeated since (so their reports are in), to a live task, whose replica
+skips those offsets. If no task of the iteration is left on a live worker, one is created.
+GetSplit is idempotent per (task, replica, request id), so a reply lost to a dispatcher crash
+does not lose a split.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 
 from torch_dataservice.config import DispatcherConfig
 from torch_dataservice.dispatcher.journal import Journal
 from torch_dataservice.dispatcher.state import DYNAMIC, DispatcherState, Iteration, Task
+from torch_dataservice.errors import NotReadyError
 from torch_dataservice.proto import (
     common_pb2,
     dispatcher_pb2,
@@ -33,6 +61,18 @@ logger = logging.getLogger(__name__)
 Update = dispatcher_pb2.Update
 STATIC_POLICIES = {2: "FILE", 3: "DATA", 4: "FILE_OR_DATA", 5: "HINT"}
 POLICY_NAMES = {0: "OFF", 1: "DYNAMIC", **STATIC_POLICIES}
+
+
+def _durable(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Sync the journal after the handler released the lock, before the reply leaves."""
+
+    @functools.wraps(method)
+    def wrapper(self: DispatcherService, request: Any, context: Any) -> Any:
+        response = method(self, request, context)
+        self._journal.sync()
+        return response
+
+    return wrapper
 
 
 class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
@@ -53,7 +93,16 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         # Soft state: nothing is collected or declared dead because the dispatcher was down.
         self._worker_seen: dict[str, float] = {a: now for a in self._state.workers}
         self._client_seen: dict[int, float] = {c: now for c in self._state.clients}
-        self._iteration_idle_since: dict[int, float] = {}
+        self._iteration_idle_since: dict[int, float] = {
+            i: now for i, it in self._state.iterations.items()
+            if not it.garbage_collected and not it.client_ids}
+        # Exactly-once DYNAMIC: client heartbeats are numbered; a requeued split is handed
+        # again only once every client of its iteration heartbeated after it was requeued.
+        # After a restart, every requeued split waits for fresh heartbeats.
+        self._heartbeats = 0
+        self._client_heartbeat: dict[int, int] = {}
+        self._requeued_at: dict[int, int] = {
+            i: 0 for i, it in self._state.iterations.items() if it.requeued}
         self._pusher = ThreadPoolExecutor(max_workers=4, thread_name_prefix="task-push")
 
     @property
@@ -64,11 +113,13 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         self._pusher.shutdown(wait=False, cancel_futures=True)
 
     def _apply(self, update: Update) -> None:
-        self._journal.append(update)  # durable first
+        self._journal.append(update)  # durable before any reply: see _durable
         self._state.apply(update)
+        self._journal.maybe_compact(self._state)
 
     # ------------------------------------------------------------------ datasets
     @servicer_method
+    @_durable
     def GetOrRegisterDataset(self, request, context):
         definition = request.dataset
         with self._lock:
@@ -88,6 +139,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             return dispatcher_pb2.GetOrRegisterDatasetResponse(dataset_id=dataset_id)
 
     @servicer_method
+    @_durable
     def GetDatasetDef(self, request, context):
         with self._lock:
             dataset = self._state.dataset(request.dataset_id)
@@ -95,6 +147,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
 
     # ------------------------------------------------------------------ jobs and iterations
     @servicer_method
+    @_durable
     def GetOrCreateJob(self, request, context):
         config = request.config
         with self._lock:
@@ -122,7 +175,18 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                 "sharding policy DYNAMIC needs a splittable source (range, from_items, "
                 "list_files or from_dataset); this pipeline's source is not splittable"
             )
+        if config.cross_trainer_cache and config.HasField("num_consumers"):
+            raise ValueError("cross_trainer_cache cannot be combined with coordinated reads "
+                             f"(num_consumers={config.num_consumers})")
+        if config.HasField("num_consumers") and config.target_workers == "LOCAL":
+            raise ValueError("coordinated reads (num_consumers) read every worker of the job: "
+                             "target_workers='LOCAL' is not supported with them")
         if policy in STATIC_POLICIES:
+            if config.target_workers == "ANY":
+                raise ValueError(
+                    f"sharding policy {name} requires reading from local workers: use "
+                    "target_workers='LOCAL' or 'AUTO' (which means LOCAL for static sharding), "
+                    "got target_workers='ANY'")
             if not self._config.worker_addresses:
                 raise ValueError(
                     f"sharding policy {name} needs a fixed worker list: start the dispatcher "
@@ -140,6 +204,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                 )
 
     @servicer_method
+    @_durable
     def GetOrCreateIteration(self, request, context):
         with self._lock:
             job = self._state.job(request.job_id)
@@ -157,6 +222,8 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                 client_id=client_id, iteration_id=iteration_id)))
             self._client_seen[client_id] = self._clock()
             self._iteration_idle_since.pop(iteration_id, None)
+            if self._state.iterations[iteration_id].requeued:  # carried over from a collected one
+                self._requeued_at.setdefault(iteration_id, self._heartbeats)
             task_defs = [(t.worker_address, self._task_def(t)) for t in new_tasks]
         self._push_tasks(task_defs)
         return dispatcher_pb2.GetOrCreateIterationResponse(
@@ -197,31 +264,58 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
 
     # ------------------------------------------------------------------ clients
     @servicer_method
+    @_durable
     def ClientHeartbeat(self, request, context):
         with self._lock:
             iteration = self._state.iteration_of_client(request.client_id)
             self._client_seen[request.client_id] = self._clock()
+            self._record_delivered(iteration, request)
             response = dispatcher_pb2.ClientHeartbeatResponse(
                 iteration_finished=self._state.is_finished(iteration)
             )
             if iteration.garbage_collected:
                 response.error = f"iteration {iteration.iteration_id} was garbage-collected"
+            coordinated = self._coordinated(iteration)
             for task in self._state.iteration_tasks(iteration):
                 worker = self._state.workers.get(task.worker_address)
-                if task.finished or worker is None:
+                if (task.finished or worker is None) and not coordinated:
                     continue
-                response.tasks.append(common_pb2.TaskInfo(
+                info = common_pb2.TaskInfo(
                     task_id=task.task_id,
                     worker_address=task.worker_address,
-                    worker_uid=worker.uid,
-                    worker_index=worker.index,
                     starting_round=task.starting_round,
-                    host_id=worker.host_id,
-                    process_id=worker.process_id,
-                ))
+                )
+                if worker is not None:
+                    info.worker_uid = worker.uid
+                    info.worker_index = worker.index
+                    info.host_id = worker.host_id
+                    info.process_id = worker.process_id
+                response.tasks.append(info)
             return response
 
+    def _coordinated(self, iteration: Iteration) -> bool:
+        """Coordinated reads: the iteration's task set is fixed once it has tasks.
+
+        Every consumer maps round r to the r-th task (mod their number, sorted by id), so all
+        must see the same set: new workers get no task in such an iteration, and finished
+        tasks stay listed (their workers answer end_of_sequence) for consumers that start late.
+        """
+        return self._state.job(iteration.job_id).config.HasField("num_consumers")
+
+    def _record_delivered(self, iteration: Iteration,
+                          request: dispatcher_pb2.ClientHeartbeatRequest) -> None:
+        self._heartbeats += 1
+        self._client_heartbeat[request.client_id] = self._heartbeats
+        requeued = {(s.repetition, s.index) for s in iteration.requeued}
+        tracked = [r for r in request.received
+                   if (r.split.repetition, r.split.index) in iteration.delivered
+                   or (r.split.repetition, r.split.index) in requeued]
+        if tracked:
+            self._apply(Update(record_delivered=dispatcher_pb2.RecordDelivered(
+                iteration_id=iteration.iteration_id, splits=tracked)))
+
     @servicer_method
+    @_durable
     def ReleaseIterationClient(self, request, context):
         with self._lock:
             if request.client_id in self._state.clients:
@@ -237,15 +331,16 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
 
     # ------------------------------------------------------------------ workers
     @servicer_method
+    @_durable
     def WorkerHeartbeat(self, request, context):
         address = request.worker_address
         with self._lock:
             worker = self._state.workers.get(address)
             new_tasks: list[Task] = []
+            pushes: list[tuple[str, common_pb2.TaskDef]] = []
             if worker is not None and worker.uid != request.worker_uid:
                 logger.info("worker %s restarted; its old tasks are dropped", address)
-                self._apply(Update(remove_worker=dispatcher_pb2.RemoveWorker(
-                    worker_address=address)))
+                pushes = self._remove_worker(address)
                 worker = None
             if worker is None:
                 index = self._worker_index(address)
@@ -254,6 +349,8 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                     host_id=request.host_id, process_id=request.process_id)))
                 logger.info("worker %s registered (index %d)", address, index)
                 for iteration in list(self._state.active_iterations()):
+                    if iteration.task_ids and self._coordinated(iteration):
+                        continue  # its consumers agreed on a fixed task set (see below)
                     new_tasks.append(self._create_task(iteration.iteration_id, address))
             self._worker_seen[address] = self._clock()
             assigned = {t.task_id: t for t in self._state.worker_tasks(address)}
@@ -270,7 +367,36 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                 # late readers get end_of_sequence instead of an unknown-task error.
                 if task is None or self._state.iteration(task.iteration_id).garbage_collected:
                     response.tasks_to_delete.append(task_id)
+        self._push_tasks(pushes)
         return response
+
+    def _remove_worker(self, address: str) -> list[tuple[str, common_pb2.TaskDef]]:
+        """Journal that a worker left; return the new tasks to push to the others.
+
+        Its unsettled DYNAMIC splits go back to their iterations first (see the module
+        docstring); an iteration left with requeued splits and no unfinished task on a
+        registered worker gets a task on every registered worker, which will take them.
+        """
+        requeued_in: set[int] = set()
+        for task in self._state.worker_tasks(address):
+            for repetition, index in sorted(task.splits):
+                self._apply(Update(requeue_split=dispatcher_pb2.RequeueSplit(
+                    iteration_id=task.iteration_id,
+                    split=common_pb2.SplitKey(repetition=repetition, index=index))))
+                requeued_in.add(task.iteration_id)
+        self._apply(Update(remove_worker=dispatcher_pb2.RemoveWorker(worker_address=address)))
+        new_tasks: list[Task] = []
+        for iteration_id in sorted(requeued_in):
+            self._requeued_at[iteration_id] = self._heartbeats
+            iteration = self._state.iterations[iteration_id]
+            logger.info("iteration %d: %d split(s) of worker %s requeued", iteration_id,
+                        len(iteration.requeued), address)
+            if any(not t.finished and t.worker_address in self._state.workers
+                   for t in self._state.iteration_tasks(iteration)):
+                continue
+            for other in sorted(self._state.workers):
+                new_tasks.append(self._create_task(iteration_id, other))
+        return [(t.worker_address, self._task_def(t)) for t in new_tasks]
 
     def _worker_index(self, address: str) -> int:
         addresses = self._config.worker_addresses
@@ -284,6 +410,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         return addresses.index(address)
 
     @servicer_method
+    @_durable
     def WorkerUpdate(self, request, context):
         with self._lock:
             for task_id in request.completed_tasks:
@@ -294,37 +421,83 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
 
     # ------------------------------------------------------------------ splits
     @servicer_method
+    @_durable
     def GetSplit(self, request, context):
         with self._lock:
             iteration = self._state.iteration(request.iteration_id)
-            task = self._state.task(request.task_id)
-            if iteration.garbage_collected or task.finished:
+            if iteration.garbage_collected:
                 return dispatcher_pb2.GetSplitResponse(end_of_splits=True)
+            task = self._state.task(request.task_id)
+            if task.finished:
+                return dispatcher_pb2.GetSplitResponse(end_of_splits=True)
+            if request.has_finished_split:
+                key = (request.finished_split.repetition, request.finished_split.index)
+                if key in iteration.delivered and key not in iteration.produced:
+                    self._apply(Update(split_produced=dispatcher_pb2.SplitProduced(
+                        iteration_id=iteration.iteration_id, task_id=task.task_id,
+                        split=request.finished_split,
+                        num_elements=request.finished_split_elements)))
+            last = task.last_split.get(request.replica)
+            if request.request_id and last is not None and last[0] == request.request_id:
+                return _split_response(iteration, last[1], last[2])  # a retried request
             update, response = self._next_split(iteration, request.repetition, task)
             if update is not None:
+                update.replica, update.request_id = request.replica, request.request_id
                 self._apply(Update(produce_split=update))
             return response
+
+    def _requeue_ready(self, iteration: Iteration) -> bool:
+        """Every client of `iteration` reported what it received since the last requeue.
+
+        A client silent for longer than worker_timeout_ms is not waited for (it may be a
+        trainer that died, or one that never heartbeated): it cannot report anything new.
+        """
+        since = self._requeued_at.get(iteration.iteration_id)
+        if since is None:
+            return True
+        now = self._clock()
+        silent_s = self._config.effective_worker_timeout_ms / 1000
+        return all(self._client_heartbeat.get(c, 0) > since
+                   or now - self._client_seen.get(c, now) > silent_s
+                   for c in iteration.client_ids)
 
     def _next_split(
         self, iteration: Iteration, repetition: int, task: Task
     ) -> tuple[dispatcher_pb2.ProduceSplit | None, dispatcher_pb2.GetSplitResponse]:
-        """The next split for `task` in `repetition`: a requeued one first, then the cursor."""
+        """The next split for `task` in `repetition`: a requeued one first, then the cursor.
+
+        Raises NotReadyError (UNAVAILABLE: the worker retries) when only requeued splits are
+        left and clients have not yet reported what they received of them.
+        """
+        waiting = False
         for split in iteration.requeued:
-            if split.repetition <= repetition:
-                return (
-                    dispatcher_pb2.ProduceSplit(
-                        iteration_id=iteration.iteration_id, repetition=split.repetition,
-                        split_index=split.index, task_id=task.task_id, requeued=True),
-                    dispatcher_pb2.GetSplitResponse(
-                        split_index=split.index, skip=len(split.delivered_offsets)),
-                )
+            if split.repetition != repetition:
+                continue
+            if not self._requeue_ready(iteration):
+                waiting = True
+                break
+            offsets = sorted(split.delivered_offsets)
+            return (
+                dispatcher_pb2.ProduceSplit(
+                    iteration_id=iteration.iteration_id, repetition=split.repetition,
+                    split_index=split.index, task_id=task.task_id, requeued=True),
+                dispatcher_pb2.GetSplitResponse(
+                    split_index=split.index, skip=len(offsets), skip_offsets=offsets),
+            )
+        not_ready = NotReadyError(
+            f"iteration {iteration.iteration_id}: splits of a lost worker wait for clients to "
+            "report what they received; retry")
         if repetition < iteration.cursor_repetition:
+            if waiting:
+                raise not_ready
             return None, dispatcher_pb2.GetSplitResponse(end_of_splits=True)
         index = iteration.cursor_index if repetition == iteration.cursor_repetition else 0
         num_splits = self._num_splits(iteration)
         produce = dispatcher_pb2.ProduceSplit(
             iteration_id=iteration.iteration_id, repetition=repetition, task_id=task.task_id)
         if index >= num_splits:
+            if waiting:
+                raise not_ready
             produce.split_index = -1
             return produce, dispatcher_pb2.GetSplitResponse(end_of_splits=True)
         produce.split_index = index
@@ -340,13 +513,13 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         now = self._clock()
         worker_timeout = self._config.effective_worker_timeout_ms / 1000
         gc_timeout = self._config.effective_job_gc_timeout_ms / 1000
+        pushes: list[tuple[str, common_pb2.TaskDef]] = []
         with self._lock:
             for address, seen in list(self._worker_seen.items()):
                 if now - seen > worker_timeout and address in self._state.workers:
                     logger.warning("worker %s missed heartbeats for %.1fs: removed",
                                    address, now - seen)
-                    self._apply(Update(remove_worker=dispatcher_pb2.RemoveWorker(
-                        worker_address=address)))
+                    pushes += self._remove_worker(address)
                     del self._worker_seen[address]
             for client_id, seen in list(self._client_seen.items()):
                 if now - seen > gc_timeout and client_id in self._state.clients:
@@ -360,9 +533,34 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                 if now - idle_since > gc_timeout:
                     logger.info("iteration %d has had no clients for %.1fs: collected",
                                 iteration_id, now - idle_since)
-                    self._apply(Update(garbage_collect_iteration=(
-                        dispatcher_pb2.GarbageCollectIteration(iteration_id=iteration_id))))
+                    self._collect(iteration)
                     del self._iteration_idle_since[iteration_id]
+        self._journal.sync()
+        self._push_tasks(pushes)
+
+    def _collect(self, iteration: Iteration) -> None:
+        """Garbage-collect an iteration. Its unsettled DYNAMIC splits are requeued first: the
+        split cursor and they pass to the iteration that replaces it (same job and
+        repetition), so a trainer resuming from a loader state continues where it stopped."""
+        for task in self._state.iteration_tasks(iteration):
+            if task.finished:
+                continue
+            for repetition, index in sorted(task.splits):
+                self._apply(Update(requeue_split=dispatcher_pb2.RequeueSplit(
+                    iteration_id=iteration.iteration_id,
+                    split=common_pb2.SplitKey(repetition=repetition, index=index))))
+        self._apply(Update(garbage_collect_iteration=dispatcher_pb2.GarbageCollectIteration(
+            iteration_id=iteration.iteration_id)))
+
+
+def _split_response(iteration: Iteration, repetition: int,
+                    index: int) -> dispatcher_pb2.GetSplitResponse:
+    """The answer already given for a split handed out (a retried GetSplit)."""
+    if index < 0:
+        return dispatcher_pb2.GetSplitResponse(end_of_splits=True)
+    offsets = sorted(iteration.delivered.get((repetition, index), ()))
+    return dispatcher_pb2.GetSplitResponse(split_index=index, skip=len(offsets),
+                                           skip_offsets=offsets)
 
 
 def _check_matching_job(existing: common_pb2.JobConfig, requested: common_pb2.JobConfig) -> None:

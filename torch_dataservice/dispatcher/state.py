@@ -8,6 +8,7 @@ clients 3000, tasks 4000, jobs 5000) so an id in a log line says what it is.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -53,8 +54,12 @@ class Task:
     worker_address: str
     starting_round: int = 0
     finished: bool = False
-    # DYNAMIC exactly-once: splits handed to this task, by (repetition, index).
+    # DYNAMIC exactly-once: splits handed to this task, by (repetition, index), until every
+    # element of them is delivered (settled) or they are requeued.
     splits: set[tuple[int, int]] = field(default_factory=set)
+    # The last GetSplit answered per replica: (request id, repetition, split index or -1), so
+    # a retried request gets the same split back instead of losing it.
+    last_split: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -76,6 +81,10 @@ class Iteration:
     cursor_repetition: int = 0
     cursor_index: int = 0
     requeued: list[RequeuedSplit] = field(default_factory=list)
+    # Exactly-once DYNAMIC, for splits handed out and not settled: the offsets clients reported
+    # received, and (once the worker finished producing it) how many elements the split has.
+    delivered: dict[tuple[int, int], set[int]] = field(default_factory=dict)
+    produced: dict[tuple[int, int], int] = field(default_factory=dict)
 
 
 @dataclass
@@ -136,7 +145,16 @@ class DispatcherState:
         old = self.iteration_by_key.get(key)
         if old is not None and not self.iterations[old].garbage_collected:
             raise InvalidTransition(f"iteration {key} already exists as {old}")
-        self.iterations[u.iteration_id] = Iteration(u.iteration_id, u.job_id, u.repetition)
+        iteration = Iteration(u.iteration_id, u.job_id, u.repetition)
+        if old is not None:
+            # Recreated after garbage collection: the split cursor (and the splits requeued
+            # from the collected tasks) carry over, so a resumed trainer continues its epoch
+            # instead of revisiting data.
+            collected = self.iterations[old]
+            iteration.cursor_repetition = collected.cursor_repetition
+            iteration.cursor_index = collected.cursor_index
+            iteration.requeued, collected.requeued = collected.requeued, []
+        self.iterations[u.iteration_id] = iteration
         self.iteration_by_key[key] = u.iteration_id
         self._take_id("iteration", u.iteration_id)
 
@@ -160,10 +178,14 @@ class DispatcherState:
     def _apply_produce_split(self, u: dispatcher_pb2.ProduceSplit) -> None:
         iteration = self.iterations[u.iteration_id]
         task = self.tasks.get(u.task_id)
+        if task is not None and u.request_id:
+            task.last_split[u.replica] = (u.request_id, u.repetition, u.split_index)
+        key = (u.repetition, u.split_index)
         if u.requeued:
             for i, split in enumerate(iteration.requeued):
-                if (split.repetition, split.index) == (u.repetition, u.split_index):
+                if (split.repetition, split.index) == key:
                     del iteration.requeued[i]
+                    iteration.delivered[key] = set(split.delivered_offsets)
                     break
             else:
                 raise InvalidTransition(f"split {u.repetition}/{u.split_index} was not requeued")
@@ -183,17 +205,65 @@ class DispatcherState:
                     f"split {u.split_index} out of order (cursor at {iteration.cursor_index})"
                 )
             iteration.cursor_index += 1
+            iteration.delivered.setdefault(key, set())
         if task is not None and u.split_index >= 0:
-            task.splits.add((u.repetition, u.split_index))
+            task.splits.add(key)
 
     def _apply_requeue_split(self, u: dispatcher_pb2.RequeueSplit) -> None:
         iteration = self.iterations[u.iteration_id]
         key = (u.split.repetition, u.split.index)
         for task_id in iteration.task_ids:
             self.tasks[task_id].splits.discard(key)
-        iteration.requeued.append(
-            RequeuedSplit(key[0], key[1], frozenset(u.delivered_offsets))
-        )
+        delivered = iteration.delivered.pop(key, set()) | set(u.delivered_offsets)
+        iteration.produced.pop(key, None)
+        iteration.requeued.append(RequeuedSplit(key[0], key[1], frozenset(delivered)))
+
+    def _apply_record_delivered(self, u: dispatcher_pb2.RecordDelivered) -> None:
+        iteration = self.iterations.get(u.iteration_id)
+        if iteration is None:
+            return
+        for received in u.splits:
+            key = (received.split.repetition, received.split.index)
+            offsets = iteration.delivered.get(key)
+            if offsets is not None:
+                offsets.update(received.offsets)
+                self._settle_if_delivered(iteration, key)
+                continue
+            # Still waiting to be handed again: what arrives late still counts as delivered.
+            for i, split in enumerate(iteration.requeued):
+                if (split.repetition, split.index) == key:
+                    iteration.requeued[i] = RequeuedSplit(
+                        key[0], key[1], split.delivered_offsets | frozenset(received.offsets))
+        # Reports about settled or unknown splits change nothing: they were delivered already.
+
+    def _apply_split_produced(self, u: dispatcher_pb2.SplitProduced) -> None:
+        iteration = self.iterations.get(u.iteration_id)
+        key = (u.split.repetition, u.split.index)
+        if iteration is None or key not in iteration.delivered:
+            return
+        iteration.produced[key] = u.num_elements
+        self._settle_if_delivered(iteration, key)
+
+    def _settle_if_delivered(self, iteration: Iteration, key: tuple[int, int]) -> None:
+        """Forget a split once clients received every element it produced."""
+        size = iteration.produced.get(key)
+        if size is None or not all(o in iteration.delivered[key] for o in range(size)):
+            return
+        del iteration.delivered[key], iteration.produced[key]
+        for task_id in iteration.task_ids:
+            self.tasks[task_id].splits.discard(key)
+
+    def _apply_snapshot(self, u: dispatcher_pb2.StateSnapshot) -> None:
+        restored = pickle.loads(u.state)
+        if not isinstance(restored, DispatcherState):
+            raise InvalidTransition(f"snapshot holds a {type(restored).__name__}")
+        self.__dict__.clear()
+        self.__dict__.update(restored.__dict__)
+
+    def snapshot(self) -> Update:
+        """An update that, applied to any state, makes it equal to this one (compaction)."""
+        return Update(snapshot=dispatcher_pb2.StateSnapshot(
+            state=pickle.dumps(self, protocol=pickle.HIGHEST_PROTOCOL)))
 
     def _apply_acquire_client(self, u: dispatcher_pb2.AcquireClient) -> None:
         self.clients[u.client_id] = u.iteration_id
@@ -210,6 +280,9 @@ class DispatcherState:
         iteration.garbage_collected = True
         for task_id in iteration.task_ids:
             self._finish_task(self.tasks[task_id])
+            self.tasks[task_id].splits.clear()  # memory: the split bookkeeping goes too
+        iteration.delivered.clear()
+        iteration.produced.clear()
         for client_id in list(iteration.client_ids):
             self.clients.pop(client_id, None)
         iteration.client_ids.clear()
@@ -255,6 +328,8 @@ class DispatcherState:
         """Every task ran to its end (or its worker left); an iteration with none is not."""
         if iteration.garbage_collected:
             return True
+        if iteration.requeued:  # a dead worker's splits wait for a live one
+            return False
         tasks = list(self.iteration_tasks(iteration))
         return bool(tasks) and all(task.finished for task in tasks)
 

@@ -19,6 +19,7 @@ from torch_dataservice.pipeline.transforms import Transform, Upstream, close_ite
 
 #: How often a producer blocked on a full queue checks whether the consumer went away.
 _POLL_SECONDS = 0.05
+_JOIN_SECONDS = 10.0
 
 
 class _End:
@@ -65,8 +66,8 @@ def _fill(
 class Prefetch(Transform):
     """Up to `buffer_size` elements produced ahead of the consumer (0: no thread, pass-through).
 
-    Stopping early joins the thread, so it waits for the element the upstream is producing at
-    that moment.
+    Stopping early joins the thread (for at most a few seconds), so it waits for the element the
+    upstream is producing at that moment.
     """
 
     buffer_size: int
@@ -98,7 +99,9 @@ class Prefetch(Transform):
                 yield item
         finally:
             stop.set()
-            thread.join()
+            # Bounded: an upstream stuck in a blocking call must not hang the consumer's exit;
+            # the daemon thread then ends with its upstream.
+            thread.join(timeout=_JOIN_SECONDS)
 
     def describe(self) -> str:
         return f"prefetch({self.buffer_size})"

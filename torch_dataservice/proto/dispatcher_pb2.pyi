@@ -138,27 +138,39 @@ class WorkerUpdateResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GetSplitRequest(_message.Message):
-    __slots__ = ("iteration_id", "repetition", "task_id")
+    __slots__ = ("iteration_id", "repetition", "task_id", "replica", "request_id", "has_finished_split", "finished_split", "finished_split_elements")
     ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
     REPETITION_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    HAS_FINISHED_SPLIT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_SPLIT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_SPLIT_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
     iteration_id: int
     repetition: int
     task_id: int
-    def __init__(self, iteration_id: _Optional[int] = ..., repetition: _Optional[int] = ..., task_id: _Optional[int] = ...) -> None: ...
+    replica: int
+    request_id: int
+    has_finished_split: bool
+    finished_split: _common_pb2.SplitKey
+    finished_split_elements: int
+    def __init__(self, iteration_id: _Optional[int] = ..., repetition: _Optional[int] = ..., task_id: _Optional[int] = ..., replica: _Optional[int] = ..., request_id: _Optional[int] = ..., has_finished_split: _Optional[bool] = ..., finished_split: _Optional[_Union[_common_pb2.SplitKey, _Mapping]] = ..., finished_split_elements: _Optional[int] = ...) -> None: ...
 
 class GetSplitResponse(_message.Message):
-    __slots__ = ("split_index", "end_of_splits", "skip")
+    __slots__ = ("split_index", "end_of_splits", "skip", "skip_offsets")
     SPLIT_INDEX_FIELD_NUMBER: _ClassVar[int]
     END_OF_SPLITS_FIELD_NUMBER: _ClassVar[int]
     SKIP_FIELD_NUMBER: _ClassVar[int]
+    SKIP_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     split_index: int
     end_of_splits: bool
     skip: int
-    def __init__(self, split_index: _Optional[int] = ..., end_of_splits: _Optional[bool] = ..., skip: _Optional[int] = ...) -> None: ...
+    skip_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, split_index: _Optional[int] = ..., end_of_splits: _Optional[bool] = ..., skip: _Optional[int] = ..., skip_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Update(_message.Message):
-    __slots__ = ("register_dataset", "register_worker", "create_job", "create_iteration", "produce_split", "create_task", "finish_task", "acquire_client", "release_client", "garbage_collect_iteration", "remove_worker", "requeue_split")
+    __slots__ = ("register_dataset", "register_worker", "create_job", "create_iteration", "produce_split", "create_task", "finish_task", "acquire_client", "release_client", "garbage_collect_iteration", "remove_worker", "requeue_split", "snapshot", "record_delivered", "split_produced")
     REGISTER_DATASET_FIELD_NUMBER: _ClassVar[int]
     REGISTER_WORKER_FIELD_NUMBER: _ClassVar[int]
     CREATE_JOB_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +183,9 @@ class Update(_message.Message):
     GARBAGE_COLLECT_ITERATION_FIELD_NUMBER: _ClassVar[int]
     REMOVE_WORKER_FIELD_NUMBER: _ClassVar[int]
     REQUEUE_SPLIT_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    RECORD_DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_PRODUCED_FIELD_NUMBER: _ClassVar[int]
     register_dataset: RegisterDataset
     register_worker: RegisterWorker
     create_job: CreateJob
@@ -183,7 +198,10 @@ class Update(_message.Message):
     garbage_collect_iteration: GarbageCollectIteration
     remove_worker: RemoveWorker
     requeue_split: RequeueSplit
-    def __init__(self, register_dataset: _Optional[_Union[RegisterDataset, _Mapping]] = ..., register_worker: _Optional[_Union[RegisterWorker, _Mapping]] = ..., create_job: _Optional[_Union[CreateJob, _Mapping]] = ..., create_iteration: _Optional[_Union[CreateIteration, _Mapping]] = ..., produce_split: _Optional[_Union[ProduceSplit, _Mapping]] = ..., create_task: _Optional[_Union[CreateTask, _Mapping]] = ..., finish_task: _Optional[_Union[FinishTask, _Mapping]] = ..., acquire_client: _Optional[_Union[AcquireClient, _Mapping]] = ..., release_client: _Optional[_Union[ReleaseClient, _Mapping]] = ..., garbage_collect_iteration: _Optional[_Union[GarbageCollectIteration, _Mapping]] = ..., remove_worker: _Optional[_Union[RemoveWorker, _Mapping]] = ..., requeue_split: _Optional[_Union[RequeueSplit, _Mapping]] = ...) -> None: ...
+    snapshot: StateSnapshot
+    record_delivered: RecordDelivered
+    split_produced: SplitProduced
+    def __init__(self, register_dataset: _Optional[_Union[RegisterDataset, _Mapping]] = ..., register_worker: _Optional[_Union[RegisterWorker, _Mapping]] = ..., create_job: _Optional[_Union[CreateJob, _Mapping]] = ..., create_iteration: _Optional[_Union[CreateIteration, _Mapping]] = ..., produce_split: _Optional[_Union[ProduceSplit, _Mapping]] = ..., create_task: _Optional[_Union[CreateTask, _Mapping]] = ..., finish_task: _Optional[_Union[FinishTask, _Mapping]] = ..., acquire_client: _Optional[_Union[AcquireClient, _Mapping]] = ..., release_client: _Optional[_Union[ReleaseClient, _Mapping]] = ..., garbage_collect_iteration: _Optional[_Union[GarbageCollectIteration, _Mapping]] = ..., remove_worker: _Optional[_Union[RemoveWorker, _Mapping]] = ..., requeue_split: _Optional[_Union[RequeueSplit, _Mapping]] = ..., snapshot: _Optional[_Union[StateSnapshot, _Mapping]] = ..., record_delivered: _Optional[_Union[RecordDelivered, _Mapping]] = ..., split_produced: _Optional[_Union[SplitProduced, _Mapping]] = ...) -> None: ...
 
 class RegisterDataset(_message.Message):
     __slots__ = ("dataset_id", "dataset")
@@ -226,18 +244,22 @@ class CreateIteration(_message.Message):
     def __init__(self, iteration_id: _Optional[int] = ..., job_id: _Optional[int] = ..., repetition: _Optional[int] = ...) -> None: ...
 
 class ProduceSplit(_message.Message):
-    __slots__ = ("iteration_id", "repetition", "split_index", "task_id", "requeued")
+    __slots__ = ("iteration_id", "repetition", "split_index", "task_id", "requeued", "replica", "request_id")
     ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
     REPETITION_FIELD_NUMBER: _ClassVar[int]
     SPLIT_INDEX_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEUED_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     iteration_id: int
     repetition: int
     split_index: int
     task_id: int
     requeued: bool
-    def __init__(self, iteration_id: _Optional[int] = ..., repetition: _Optional[int] = ..., split_index: _Optional[int] = ..., task_id: _Optional[int] = ..., requeued: _Optional[bool] = ...) -> None: ...
+    replica: int
+    request_id: int
+    def __init__(self, iteration_id: _Optional[int] = ..., repetition: _Optional[int] = ..., split_index: _Optional[int] = ..., task_id: _Optional[int] = ..., requeued: _Optional[bool] = ..., replica: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class CreateTask(_message.Message):
     __slots__ = ("task_id", "iteration_id", "worker_address", "starting_round")
@@ -292,3 +314,29 @@ class RequeueSplit(_message.Message):
     split: _common_pb2.SplitKey
     delivered_offsets: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, iteration_id: _Optional[int] = ..., split: _Optional[_Union[_common_pb2.SplitKey, _Mapping]] = ..., delivered_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StateSnapshot(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: bytes
+    def __init__(self, state: _Optional[bytes] = ...) -> None: ...
+
+class RecordDelivered(_message.Message):
+    __slots__ = ("iteration_id", "splits")
+    ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    SPLITS_FIELD_NUMBER: _ClassVar[int]
+    iteration_id: int
+    splits: _containers.RepeatedCompositeFieldContainer[ReceivedSplit]
+    def __init__(self, iteration_id: _Optional[int] = ..., splits: _Optional[_Iterable[_Union[ReceivedSplit, _Mapping]]] = ...) -> None: ...
+
+class SplitProduced(_message.Message):
+    __slots__ = ("iteration_id", "task_id", "split", "num_elements")
+    ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
+    NUM_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    iteration_id: int
+    task_id: int
+    split: _common_pb2.SplitKey
+    num_elements: int
+    def __init__(self, iteration_id: _Optional[int] = ..., task_id: _Optional[int] = ..., split: _Optional[_Union[_common_pb2.SplitKey, _Mapping]] = ..., num_elements: _Optional[int] = ...) -> None: ...

@@ -19,27 +19,33 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
-from torch_dataservice.worker.executor_process import ReplicaKey, executor_main
+from torch_dataservice.worker.executor_process import ReplicaKey, executor_main, read_exactly
 
 logger = logging.getLogger(__name__)
 
 _EXECUTOR_BOOT = (
     "import sys\n"
+    # The parent's import path (as multiprocessing's spawn does): its modules import here too.
+    "sys.path[:0] = sys.argv[2:]\n"
     "from multiprocessing.connection import Connection\n"
     "from torch_dataservice.worker.executor_process import executor_main\n"
     "executor_main(Connection(int(sys.argv[1])))\n"
+    # Skip interpreter teardown: with torch loaded it takes seconds, and a worker waits for it.
+    "sys.stdout.flush(); sys.stderr.flush()\n"
+    "import os; os._exit(0)\n"
 )
 
 
 class ExecutorListener(Protocol):
     def on_element(self, key: ReplicaKey, split: tuple[int, int] | None, offset: int,
-                   payload: bytes) -> None: ...
+                   payload: bytes | memoryview) -> None: ...
 
     def on_end(self, key: ReplicaKey) -> None: ...
 
     def on_error(self, key: ReplicaKey, remote_type: str, message: str, tb: str) -> None: ...
 
-    def on_get_split(self, key: ReplicaKey, request_id: int, repetition: int) -> None: ...
+    def on_get_split(self, key: ReplicaKey, request_id: int, repetition: int,
+                     finished: tuple[int, int, int] | None = None) -> None: ...
 
     def on_executor_lost(self, slot: int) -> None: ...
 
@@ -60,7 +66,7 @@ class _Slot:
             self.conn = Connection(ours_sock.detach())
             child_fd = theirs_sock.fileno()
             self.process = subprocess.Popen(
-                [sys.executable, "-c", _EXECUTOR_BOOT, str(child_fd)],
+                [sys.executable, "-c", _EXECUTOR_BOOT, str(child_fd), *sys.path],
                 pass_fds=(child_fd,), stdin=subprocess.DEVNULL)
             theirs_sock.close()
         else:
@@ -114,15 +120,18 @@ class ExecutorPool:
             try:
                 message = conn.recv()
                 kind = message[0]
-                if kind == "element":
-                    payload = conn.recv_bytes()
+                if kind == "elements":  # small ones, several per message
+                    for key, split, offset, payload in message[1]:
+                        listener.on_element(key, split, offset, payload)
+                elif kind == "element":  # a big one: its payload follows as raw bytes
+                    payload = read_exactly(conn.fileno(), message[4])
                     listener.on_element(message[1], message[2], message[3], payload)
                 elif kind == "end":
                     listener.on_end(message[1])
                 elif kind == "error":
                     listener.on_error(message[1], message[2], message[3], message[4])
                 elif kind == "get_split":
-                    listener.on_get_split(message[1], message[2], message[3])
+                    listener.on_get_split(*message[1:])
             except (EOFError, OSError):
                 break
             except Exception:

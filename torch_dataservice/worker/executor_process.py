@@ -8,23 +8,30 @@ pipeline instead of filling memory.
 
 Messages, front -> here:   ("dataset", dataset_id, pipeline_bytes)
                            ("start", key, dataset_id, rewrites, compression, use_splits, credits)
-                           ("credit", key, n)   ("split", key, request_id, index|None, skip)
+                           ("credit", key, n)
+                           ("split", key, request_id, index|None, skip offsets)
                            ("stop", key)        ("shutdown",)
-here -> front:             ("element", key, split|None, offset) then send_bytes(payload)
+here -> front:             ("elements", [(key, split|None, offset, payload), ...]) small ones,
+                           ("element", key, split|None, offset, size) then `size` raw bytes
                            ("end", key)  ("error", key, type, message, traceback)
-                           ("get_split", key, request_id, repetition)
+                           ("get_split", key, request_id, repetition, finished)
+                               finished: (repetition, index, elements) of the split this
+                               replica finished producing, or None
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
+from collections import deque
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
 import cloudpickle
+import numpy as np
 
 from torch_dataservice.errors import describe_exception
 from torch_dataservice.pipeline import ExecutionContext, Pipeline, sharding
@@ -33,6 +40,12 @@ from torch_dataservice.wire import codec
 logger = logging.getLogger(__name__)
 
 ReplicaKey = tuple[int, int]  # (task id, replica index)
+
+# Credits bound a replica's elements in flight by count; this bounds them by bytes too, so the
+# count can be large enough for tiny elements (many per fetch) while big ones stay few.
+MAX_BYTES_IN_FLIGHT = 64 << 20
+# Larger payloads skip pickling and go as raw bytes after their header (see send_element).
+INLINE_PAYLOAD_BYTES = 64 << 10
 
 
 class _Stopped(Exception):
@@ -50,19 +63,31 @@ class _Replica:
         self._compression = compression
         self._use_splits = use_splits
         self._credits = credits
+        self._in_flight: deque[int] = deque()  # sizes of elements sent and not credited back
+        self._bytes_in_flight = 0
         self._cond = threading.Condition()
         self._stopped = False
-        self._split_replies: dict[int, tuple[int | None, int]] = {}
+        self._split_replies: dict[int, tuple[int | None, Any]] = {}
         self._request_ids = itertools.count()
+        # Exactly-once DYNAMIC (see dispatcher/service.py): the split being read, how many
+        # elements each split produced so far, and the offsets clients already received of a
+        # split handed again after its worker died.
+        self._holding: tuple[int, int] | None = None
+        self._produced: dict[tuple[int, int], int] = {}
+        self._skip: dict[tuple[int, int], frozenset[int]] = {}
         self.thread = threading.Thread(target=self._run, name=f"replica-{key}", daemon=True)
 
     # --- called by the executor's receive loop
     def add_credits(self, n: int) -> None:
         with self._cond:
             self._credits += n
+            # Credits say how many, not which: the oldest elements are the ones handed out
+            # first, and in any case the bytes return to 0 when every element is credited.
+            for _ in range(min(n, len(self._in_flight))):
+                self._bytes_in_flight -= self._in_flight.popleft()
             self._cond.notify_all()
 
-    def deliver_split(self, request_id: int, index: int | None, skip: int) -> None:
+    def deliver_split(self, request_id: int, index: int | None, skip: Any) -> None:
         with self._cond:
             self._split_replies[request_id] = (index, skip)
             self._cond.notify_all()
@@ -75,22 +100,35 @@ class _Replica:
     # --- the replica thread
     def get_split(self, source_index: int, repetition: int) -> int | None:
         request_id = next(self._request_ids)
-        self._executor.send(("get_split", self.key, request_id, repetition))
+        finished = None
+        if self._holding is not None:
+            # Synchronous chains ask for the next split only after emitting all of this one.
+            finished = (*self._holding, self._produced.pop(self._holding, 0))
+            self._skip.pop(self._holding, None)
+            self._holding = None
+        self._executor.send(("get_split", self.key, request_id, repetition, finished))
         with self._cond:
             while request_id not in self._split_replies:
                 if self._stopped:
                     raise _Stopped
                 self._cond.wait(1.0)
-            index, _skip = self._split_replies.pop(request_id)
+            index, skip = self._split_replies.pop(request_id)
+        if index is not None:
+            self._holding = (repetition, index)
+            if skip and not isinstance(skip, int):
+                self._skip[self._holding] = frozenset(skip)
         return index
 
-    def _take_credit(self) -> None:
+    def _take_credit(self, size: int) -> None:
         with self._cond:
-            while self._credits <= 0 and not self._stopped:
+            while not self._stopped and (self._credits <= 0 or (
+                    self._in_flight and self._bytes_in_flight + size > MAX_BYTES_IN_FLIGHT)):
                 self._cond.wait(1.0)
             if self._stopped:
                 raise _Stopped
             self._credits -= 1
+            self._in_flight.append(size)
+            self._bytes_in_flight += size
 
     def _run(self) -> None:
         ctx = ExecutionContext(split_provider=self if self._use_splits else None)
@@ -104,10 +142,16 @@ class _Replica:
                     last_split, offset = split, 0
                 else:
                     offset += 1
-                payload = b"".join(codec.encode(element, self._compression))
-                self._take_credit()
                 wire_split = None if split is None else (split[1], split[2])
-                self._executor.send_element(self.key, wire_split, offset, payload)
+                if wire_split is not None:
+                    self._produced[wire_split] = offset + 1
+                    skip = self._skip.get(wire_split)
+                    if skip is not None and offset in skip:
+                        continue  # a client received it from a worker that died since
+                parts = codec.encode(element, self._compression)
+                size = codec.payload_size(parts)
+                self._take_credit(size)
+                self._executor.send_element(self.key, wire_split, offset, parts, size)
             self._executor.send(("end", self.key))
         except _Stopped:
             pass
@@ -122,20 +166,77 @@ class ExecutorLoop:
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
-        self._send_lock = threading.Lock()
         self._datasets: dict[str, bytes] = {}
         self._replicas: dict[ReplicaKey, _Replica] = {}
         self._lock = threading.Lock()
+        # One sender thread writes everything, in order: small elements queued while it was
+        # writing go out as one message (a write per tiny element would cost more than it).
+        # Queued: messages for the front as they are, except elements: small ones as
+        # ("element", key, split, offset, payload), big ones as ("element", key, split, offset,
+        # size, parts, written event); None stops the sender.
+        self._outbox: deque[tuple | None] = deque()
+        self._outbox_ready = threading.Condition()
+        self._sender = threading.Thread(target=self._send_loop, name="executor-send",
+                                        daemon=True)
+        self._sender.start()
 
-    def send(self, message: tuple) -> None:
-        with self._send_lock:
-            self._conn.send(message)
+    def send(self, message: tuple | None) -> None:
+        """Queue `message` for the front (None: stop the sender after what is queued)."""
+        with self._outbox_ready:
+            self._outbox.append(message)
+            self._outbox_ready.notify()
 
     def send_element(self, key: ReplicaKey, split: tuple[int, int] | None, offset: int,
-                     payload: bytes) -> None:
-        with self._send_lock:  # header and payload must arrive back to back
-            self._conn.send(("element", key, split, offset))
-            self._conn.send_bytes(payload)
+                     parts: list[codec.Part], size: int) -> None:
+        if size <= INLINE_PAYLOAD_BYTES:
+            self.send(("element", key, split, offset, b"".join(parts)))
+            return
+        # The parts are views of the element's memory: wait until they are written, so the
+        # pipeline may reuse that memory as soon as it gets the next element.
+        written = threading.Event()
+        self.send(("element", key, split, offset, size, parts, written))
+        while not written.wait(1.0) and self._sender.is_alive():
+            pass
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._outbox_ready:
+                while not self._outbox:
+                    self._outbox_ready.wait()
+                messages = list(self._outbox)
+                self._outbox.clear()
+            try:
+                done = self._write(messages)
+            except (OSError, ValueError):  # the front is gone; the receive loop ends too
+                done = True
+            if done:
+                for message in messages:  # nobody waits forever for a big element
+                    if message is not None and len(message) == 7:
+                        message[6].set()
+                return
+
+    def _write(self, messages: list[tuple | None]) -> bool:
+        small: list[tuple] = []
+        for message in messages:
+            if message is not None and message[0] == "element" and len(message) == 5:
+                small.append(message[1:])
+                continue
+            if small:
+                self._conn.send(("elements", small))
+                small = []
+            if message is None:
+                return True
+            if message[0] == "element":  # a big payload: its header, then its parts raw
+                self._conn.send(message[:5])
+                # Raw writes of the encoded parts: no join here, no BytesIO on the other side.
+                for part in message[5]:
+                    write_all(self._conn.fileno(), part)
+                message[6].set()
+            else:
+                self._conn.send(message)
+        if small:
+            self._conn.send(("elements", small))
+        return False
 
     def forget(self, key: ReplicaKey) -> None:
         with self._lock:
@@ -182,6 +283,8 @@ class ExecutorLoop:
             replicas = list(self._replicas.values())
         for replica in replicas:
             replica.stop()
+        self.send(None)  # write what is queued, then stop the sender
+        self._sender.join(timeout=5)
 
 
 def apply_rewrites(pipeline: Pipeline, rewrites: list[tuple[str, int, int]]) -> Pipeline:
@@ -201,6 +304,24 @@ def apply_rewrites(pipeline: Pipeline, rewrites: list[tuple[str, int, int]]) -> 
         else:
             raise ValueError(f"unknown rewrite {kind!r}")
     return pipeline
+
+
+def write_all(fd: int, data: codec.Part) -> None:
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        view = view[os.write(fd, view):]
+
+
+def read_exactly(fd: int, size: int) -> memoryview:
+    """`size` bytes from `fd` into one buffer (the only copy on the receiving side)."""
+    view = memoryview(np.empty(size, dtype=np.uint8))  # unlike bytearray, not zero-filled first
+    received = 0
+    while received < size:
+        n = os.readv(fd, [view[received:]])
+        if n == 0:
+            raise EOFError(f"connection closed {size - received} bytes before the payload's end")
+        received += n
+    return view
 
 
 def executor_main(conn: Connection) -> None:

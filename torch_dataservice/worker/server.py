@@ -72,6 +72,7 @@ class WorkerServer:
             return
         self._tasks = TaskManager(self._dataset, self._get_split, self._report_completed,
                                   self._config.effective_num_processes)
+        self._tasks.cross_trainer_cache_bytes = self._config.cross_trainer_cache_bytes
         self._tasks.start()  # spawn executors before gRPC starts its threads
         self._service = WorkerService(self._tasks, self._registered.is_set)
         self._server, self._port = start_grpc_server(
@@ -127,15 +128,27 @@ class WorkerServer:
             cached = self._dataset_cache[dataset_id] = response.dataset
         return cached
 
-    def _get_split(self, task: common_pb2.TaskDef, repetition: int) -> tuple[int | None, int]:
+    def _get_split(self, task: common_pb2.TaskDef, repetition: int, replica: int = 0,
+                   request_id: int = -1, finished: tuple[int, int, int] | None = None
+                   ) -> tuple[int | None, tuple[int, ...]]:
+        """The next split for a replica of `task`, and the offsets of it to skip.
+
+        Retried until the dispatcher answers (it may be restarting, or ask us to wait for
+        requeued splits); the request id makes a retry return the same split.
+        """
         request = dispatcher_pb2.GetSplitRequest(
-            iteration_id=task.iteration_id, repetition=repetition, task_id=task.task_id)
+            iteration_id=task.iteration_id, repetition=repetition, task_id=task.task_id,
+            replica=replica, request_id=request_id + 1)
+        if finished is not None:
+            request.has_finished_split = True
+            request.finished_split.repetition, request.finished_split.index = finished[:2]
+            request.finished_split_elements = finished[2]
         response = retry(lambda: self._dispatcher.GetSplit(request, timeout=10),
                          description="GetSplit", deadline_s=self._deadline_s(),
                          stop=self._stopped)
         if response.end_of_splits:
-            return None, 0
-        return response.split_index, response.skip
+            return None, ()
+        return response.split_index, tuple(response.skip_offsets)
 
     def _report_completed(self, task_id: int) -> None:
         def report() -> None:

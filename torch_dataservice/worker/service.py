@@ -25,9 +25,7 @@ class WorkerService:
     def fetch(self, request: worker_pb2.GetElementsRequest) -> tuple[
             worker_pb2.ElementBatchHeader, list[bytes]]:
         """The elements for one GetElements request (also used by in-process readers)."""
-        elements, end, error = self._tasks.get_elements(
-            request.task_id, max(1, request.max_elements or 1),
-            request.max_bytes or (64 << 20), FETCH_WAIT_S)
+        elements, end, error = self._tasks.fetch(request, FETCH_WAIT_S)
         header = worker_pb2.ElementBatchHeader(end_of_sequence=end)
         for element in elements:
             info = header.elements.add(offset=element.offset)

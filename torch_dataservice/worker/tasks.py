@@ -15,17 +15,21 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch_dataservice.errors import ServiceUnavailableError
 from torch_dataservice.proto import common_pb2
 from torch_dataservice.worker.executor import ExecutorPool
 from torch_dataservice.worker.executor_process import ReplicaKey
+from torch_dataservice.worker.runners import CachingRunner, RoundRobinRunner, TakeResult
 from torch_dataservice.worker.splits import LocalSplitCursor
 
 logger = logging.getLogger(__name__)
 
 OFF, DYNAMIC, FILE, DATA, FILE_OR_DATA, HINT = range(6)
-CREDITS_PER_REPLICA = 4
+# Elements a replica may have made and not yet handed out (the executor also caps their bytes):
+# enough for several full fetches of tiny elements, so a fetch is not limited to a few of them.
+CREDITS_PER_REPLICA = 1024
 
 
 @dataclass
@@ -85,6 +89,7 @@ class Task:
     local_cursor: LocalSplitCursor | None = None
     started: bool = False
     completed: bool = False  # end_of_sequence handed to a client
+    runner: RoundRobinRunner | CachingRunner | None = None  # see _runner
     cond: threading.Condition = field(default_factory=threading.Condition)
 
     @property
@@ -101,7 +106,8 @@ class TaskManager:
     def __init__(
         self,
         get_dataset: Callable[[str], common_pb2.DatasetDef],
-        get_split: Callable[[common_pb2.TaskDef, int], tuple[int | None, int]],
+        # (task, repetition, replica, request id, finished split) -> (index, skip offsets)
+        get_split: Callable[..., tuple[int | None, Any]],
         report_completed: Callable[[int], None],
         num_executors: int,
     ) -> None:
@@ -113,6 +119,7 @@ class TaskManager:
         self._finished: set[int] = set()
         self._executors = ExecutorPool(num_executors, self)
         self._split_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="get-split")
+        self.cross_trainer_cache_bytes = 1 << 30  # WorkerConfig.cross_trainer_cache_bytes
 
     def start(self) -> None:
         self._executors.start()
@@ -175,6 +182,42 @@ class TaskManager:
                     task.error = ("RuntimeError", "executor process unavailable", "")
 
     # ------------------------------------------------------------------ fetching
+    def fetch(self, request: Any, wait_s: float) -> TakeResult:
+        """The elements for one GetElements request, through the task's runner.
+
+        Coordinated reads (num_consumers) and the cross-trainer cache have their own runner
+        (worker/runners.py) on top of the first-come-first-served buffer; other tasks read it
+        directly.
+        """
+        max_elements = max(1, request.max_elements or 1)
+        max_bytes = request.max_bytes or (64 << 20)
+        task = self.get(request.task_id)
+        runner = self._runner(task) if task is not None else None
+        if isinstance(runner, RoundRobinRunner):
+            if not request.HasField("consumer_index") or not request.HasField("round_index"):
+                raise ValueError(
+                    f"task {request.task_id} serves coordinated reads: a request needs "
+                    "consumer_index and round_index")
+            return runner.get(request.consumer_index, request.round_index, wait_s)
+        if isinstance(runner, CachingRunner):
+            return runner.get(request.trainer_id, max_elements, max_bytes, wait_s)
+        return self.get_elements(request.task_id, max_elements, max_bytes, wait_s)
+
+    def _runner(self, task: Task) -> RoundRobinRunner | CachingRunner | None:
+        definition = task.definition
+        if not definition.HasField("num_consumers") and not definition.cross_trainer_cache:
+            return None
+        with task.cond:
+            if task.runner is None:
+                def take(max_elements: int, max_bytes: int, wait_s: float) -> TakeResult:
+                    return self.get_elements(task.task_id, max_elements, max_bytes, wait_s)
+
+                if definition.HasField("num_consumers"):
+                    task.runner = RoundRobinRunner(definition.num_consumers, take)
+                else:
+                    task.runner = CachingRunner(self.cross_trainer_cache_bytes, take)
+            return task.runner
+
     def get_elements(self, task_id: int, max_elements: int, max_bytes: int,
                      wait_s: float) -> tuple[list[BufferedElement], bool, tuple | None]:
         """Up to `max_elements` (and about `max_bytes`) elements; waits up to `wait_s` for one.
@@ -251,7 +294,8 @@ class TaskManager:
             task.cond.notify_all()
         self._stop_replicas(task)
 
-    def on_get_split(self, key: ReplicaKey, request_id: int, repetition: int) -> None:
+    def on_get_split(self, key: ReplicaKey, request_id: int, repetition: int,
+                     finished: tuple[int, int, int] | None = None) -> None:
         task = self._task_for(key)
         if task is None:
             return
@@ -263,7 +307,8 @@ class TaskManager:
 
         def fetch() -> None:
             try:
-                index, skip = self._get_split(task.definition, repetition)
+                index, skip = self._get_split(task.definition, repetition, key[1], request_id,
+                                              finished)
             except ServiceUnavailableError as error:
                 self.on_error(key, "ServiceUnavailableError", str(error), "")
                 return

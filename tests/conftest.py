@@ -1,0 +1,286 @@
+"""Shared fixtures: clusters of real servers on loopback, in this process or as subprocesses.
+
+- `cluster_factory(num_workers=2, ...)`: a `DispatchServer` and N `WorkerServer`s in this
+  process on ephemeral 127.0.0.1 ports (stopped at teardown). `module_cluster` is one such
+  cluster shared by a test module (tests on it must use their own job names).
+- `process_cluster`: dispatcher and workers started through the CLI
+  (`python -m torch_dataservice ...`) as subprocesses; any of them can be SIGKILLed,
+  SIGTERMed or restarted on the same port; every child is killed at teardown.
+- `force_grpc`: in-process readers normally skip gRPC for workers of their own process; this
+  makes them go over the wire like a remote trainer.
+
+Helpers importable by tests: `free_port()`, `wait_until(predicate, timeout_s, what)`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import torch_dataservice as tds
+
+REPO = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+SERVE_DEADLINE_S = 60.0  # a loaded CI machine imports torch slowly
+
+
+def free_port() -> int:
+    """A port nothing listens on right now (bound to 0 on 127.0.0.1, then closed)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str,
+               interval_s: float = 0.02) -> Any:
+    """Poll `predicate` until it returns something truthy; fail the test after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment for a child python that imports torch_dataservice from this checkout."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("TORCH_DATASERVICE_CONNECT_TIMEOUT_S", "30")
+    env.update(extra)
+    return env
+
+
+# ---------------------------------------------------------------------- in-process clusters
+class Cluster:
+    """A dispatcher and workers in this process. `target` is what readers pass as `service`."""
+
+    def __init__(self, dispatcher_config: tds.DispatcherConfig, worker_defaults: dict) -> None:
+        self._worker_defaults = worker_defaults
+        self.dispatcher = tds.DispatchServer(dispatcher_config)
+        self.workers: list[tds.WorkerServer] = []
+
+    @property
+    def target(self) -> str:
+        return self.dispatcher.target
+
+    @property
+    def address(self) -> str:
+        return self.dispatcher.address
+
+    def add_worker(self, **overrides: Any) -> tds.WorkerServer:
+        options = {**self._worker_defaults, **overrides}
+        worker = tds.WorkerServer(tds.WorkerConfig(self.address, **options))
+        self.workers.append(worker)
+        return worker
+
+    def stop_worker(self, worker: tds.WorkerServer) -> None:
+        worker.stop()
+        self.workers.remove(worker)
+
+    def stop(self) -> None:
+        for worker in self.workers:
+            worker.stop()
+        self.workers.clear()
+        self.dispatcher.stop()
+
+
+def _make_cluster(num_workers: int = 2, *, num_processes: int = 1,
+                  heartbeat_interval_ms: int | None = 100, worker_timeout_ms: int | None = None,
+                  **dispatcher_options: Any) -> Cluster:
+    cluster = Cluster(
+        tds.DispatcherConfig(host=HOST, worker_timeout_ms=worker_timeout_ms,
+                             **dispatcher_options),
+        dict(host=HOST, num_processes=num_processes,
+             heartbeat_interval_ms=heartbeat_interval_ms))
+    try:
+        for _ in range(num_workers):
+            cluster.add_worker()
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+@pytest.fixture
+def cluster_factory() -> Iterator[Callable[..., Cluster]]:
+    """`cluster_factory(num_workers=2, num_processes=1, heartbeat_interval_ms=100,
+    worker_timeout_ms=None, **DispatcherConfig options)` -> a started Cluster."""
+    clusters: list[Cluster] = []
+
+    def make(*args: Any, **kwargs: Any) -> Cluster:
+        cluster = _make_cluster(*args, **kwargs)
+        clusters.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in clusters:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_cluster() -> Iterator[Cluster]:
+    """Two workers shared by every test of the session (starting executors costs seconds).
+
+    Tests on it must use job names of their own and must not stop or break its servers.
+    """
+    cluster = _make_cluster(2)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def force_grpc(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Readers of this process fetch over gRPC even from workers of this process."""
+    from torch_dataservice.worker import local
+
+    monkeypatch.setattr(local, "lookup", lambda address: None)
+
+
+@pytest.fixture
+def fast_connect_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls that find nobody listening give up after a few seconds instead of a minute."""
+    monkeypatch.setenv("TORCH_DATASERVICE_CONNECT_TIMEOUT_S", "1")
+
+
+# ---------------------------------------------------------------------- subprocess clusters
+class ServerProcess:
+    """One `python -m torch_dataservice ...` child; its output is collected line by line."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        self.args = args
+        self._env = env
+        self.proc: subprocess.Popen[str]
+        self.lines: list[str] = []
+        self.address = ""
+        self._start()
+
+    def _start(self) -> None:
+        self.lines = []
+        self.address = ""
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "torch_dataservice", *self.args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            text=True, env=self._env, cwd=str(REPO), start_new_session=True)
+        threading.Thread(target=self._collect, args=(self.proc, self.lines),
+                         daemon=True).start()
+
+    @staticmethod
+    def _collect(proc: subprocess.Popen[str], lines: list[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_serving(self, timeout_s: float = SERVE_DEADLINE_S) -> str:
+        """Wait for the 'serving at ADDRESS' line; returns ADDRESS (without grpc://)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if line.startswith(("dispatcher serving at ", "worker serving at ")):
+                    self.address = line.split(" serving at ", 1)[1].strip().removeprefix(
+                        "grpc://")
+                    return self.address
+            if self.proc.poll() is not None:
+                pytest.fail(f"{self.args[0]} exited with {self.proc.returncode} before serving:"
+                            f"\n{self.output}")
+            time.sleep(0.05)
+        pytest.fail(f"{self.args[0]} did not print 'serving at' within {timeout_s}s:\n"
+                    f"{self.output}")
+
+    def signal(self, signum: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signum)
+
+    def wait_exit(self, timeout_s: float = 30.0) -> int:
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{self.args[0]} did not exit within {timeout_s}s:\n{self.output}")
+
+    def kill(self) -> None:
+        """SIGKILL the server and everything it started (its executor processes)."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def restart(self) -> str:
+        """Start the same command again (same port when it was explicit) and wait for it."""
+        if self.proc.poll() is None:
+            self.kill()
+        self._start()
+        return self.wait_serving()
+
+
+class ProcessCluster:
+    """Servers as CLI subprocesses. Workers get an explicit free port so restarts keep it."""
+
+    def __init__(self) -> None:
+        self.processes: list[ServerProcess] = []
+        self.env = subprocess_env()
+        self.dispatcher: ServerProcess | None = None
+
+    def spawn(self, *args: str) -> ServerProcess:
+        """Start `python -m torch_dataservice ARGS` without waiting for it."""
+        process = ServerProcess(list(args), self.env)
+        self.processes.append(process)
+        return process
+
+    def start_dispatcher(self, *extra: str, port: int | None = None) -> ServerProcess:
+        process = self.spawn("dispatcher", "--host", HOST, "--port", str(port or free_port()),
+                             *extra)
+        process.wait_serving()
+        self.dispatcher = process
+        return process
+
+    @property
+    def target(self) -> str:
+        assert self.dispatcher is not None, "start_dispatcher() first"
+        return f"grpc://{self.dispatcher.address}"
+
+    def start_worker(self, *extra: str, port: int | None = None,
+                     processes: int = 1) -> ServerProcess:
+        assert self.dispatcher is not None, "start_dispatcher() first"
+        process = self.spawn("worker", "--dispatcher", self.dispatcher.address, "--host", HOST,
+                             "--port", str(port or free_port()), "--processes", str(processes),
+                             "--heartbeat-interval-ms", "100", *extra)
+        process.wait_serving()
+        return process
+
+    def close(self) -> None:
+        for process in self.processes:
+            process.kill()
+            if process.proc.stdout is not None:
+                process.proc.stdout.close()
+
+
+@pytest.fixture
+def process_cluster() -> Iterator[ProcessCluster]:
+    cluster = ProcessCluster()
+    try:
+        yield cluster
+    finally:
+        cluster.close()

@@ -1,0 +1,180 @@
+"""FileJournal with no servers: framing, torn and corrupt records, incarnations, compaction."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.dispatcher.test_state import _history, build, one_iteration, produce_split
+from torch_dataservice.config import DispatcherConfig
+from torch_dataservice.dispatcher import file_journal
+from torch_dataservice.dispatcher.file_journal import HEADER, FileJournal
+from torch_dataservice.dispatcher.service import DispatcherService
+from torch_dataservice.dispatcher.state import DispatcherState
+from torch_dataservice.proto import common_pb2, dispatcher_pb2
+
+Update = dispatcher_pb2.Update
+
+
+def write(work_dir: Path, updates: list[Update], **options: int) -> FileJournal:
+    journal = FileJournal(work_dir, **options)
+    for update in updates:
+        journal.append(update)
+    journal.sync()
+    journal.close()
+    return journal
+
+
+def replayed(work_dir: Path) -> list[Update]:
+    journal = FileJournal(work_dir)
+    try:
+        return list(journal.replay())
+    finally:
+        journal.close()
+
+
+def logs(work_dir: Path) -> list[Path]:
+    directory = work_dir / file_journal.JOURNAL_DIR
+    return sorted(directory.glob("log_*"), key=lambda p: int(p.name.split("_")[1]))
+
+
+def test_replay_returns_what_previous_incarnations_appended(tmp_path: Path) -> None:
+    updates = _history()
+    write(tmp_path, updates[:5])
+    write(tmp_path, updates[5:])  # a second incarnation: replays nothing new, writes log_1
+    assert replayed(tmp_path) == updates
+    assert [p.name for p in logs(tmp_path)] == ["log_0", "log_1", "log_2"]
+    assert build(*replayed(tmp_path)) == build(*updates)
+
+
+def test_a_fresh_work_dir_replays_nothing(tmp_path: Path) -> None:
+    assert replayed(tmp_path / "new") == []
+
+
+@pytest.mark.parametrize("cut", [1, HEADER.size - 1, HEADER.size + 2])
+def test_a_torn_tail_is_dropped_with_a_warning(tmp_path: Path, cut: int,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    updates = one_iteration()
+    write(tmp_path, updates)
+    log = logs(tmp_path)[0]
+    data = log.read_bytes()
+    last = len(updates[-1].SerializeToString()) + HEADER.size
+    log.write_bytes(data[:len(data) - last + cut])  # the last record only partly written
+    with caplog.at_level(logging.WARNING):
+        assert replayed(tmp_path) == updates[:-1]
+    assert "torn record" in caplog.text
+
+
+def test_a_corrupt_record_ends_its_file_but_not_the_journal(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    updates = one_iteration()
+    write(tmp_path, updates[:4])
+    write(tmp_path, updates[4:])
+    first = logs(tmp_path)[0]
+    data = bytearray(first.read_bytes())
+    second_record = HEADER.size + len(updates[0].SerializeToString())
+    data[second_record + HEADER.size + 1] ^= 0xFF  # a bit flip inside record 2's payload
+    first.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        assert replayed(tmp_path) == [updates[0], *updates[4:]]
+    assert "fails its checksum" in caplog.text
+
+
+def test_sync_is_group_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    journal = FileJournal(tmp_path)
+    calls = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(file_journal.os, "fsync", lambda fd: (calls.append(fd),
+                                                               real_fsync(fd)))
+    journal.sync()
+    assert calls == []  # nothing appended: nothing to wait for
+    for update in one_iteration():
+        journal.append(update)
+    threads = [threading.Thread(target=journal.sync) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert 1 <= len(calls) <= 8
+    n = len(calls)
+    journal.sync()
+    assert len(calls) == n  # already durable
+    monkeypatch.undo()
+    journal.close()
+
+
+def test_compaction_writes_a_snapshot_and_a_fresh_log(tmp_path: Path) -> None:
+    journal = FileJournal(tmp_path, compact_every=5)
+    state = DispatcherState()
+    compactions = 0
+    for update in _history():
+        journal.append(update)
+        state.apply(update)
+        compactions += journal.maybe_compact(state)
+    journal.sync()
+    journal.close()
+    assert compactions == len(_history()) // 5
+    directory = tmp_path / file_journal.JOURNAL_DIR
+    names = sorted(p.name for p in directory.iterdir())
+    assert names == [f"log_{compactions}", f"snapshot_{compactions}"]  # old files are gone
+    restored = DispatcherState()
+    for update in replayed(tmp_path):
+        restored.apply(update)
+    assert restored == state == build(*_history())
+    # The next incarnation appends after the snapshot and still replays everything.
+    extra = produce_split(2001, 0, 0, task_id=4002)
+    write(tmp_path, [extra])
+    assert build(*replayed(tmp_path)) == build(*_history(), extra)
+
+
+def test_an_unfinished_compaction_is_ignored(tmp_path: Path) -> None:
+    write(tmp_path, one_iteration())
+    (tmp_path / file_journal.JOURNAL_DIR / "snapshot_1.tmp").write_bytes(b"half")
+    assert replayed(tmp_path) == one_iteration()
+    assert not list((tmp_path / file_journal.JOURNAL_DIR).glob("*.tmp"))
+
+
+# ---------------------------------------------------------------------- through the service
+def _register(service: DispatcherService) -> tuple[int, int]:
+    dataset = common_pb2.DatasetDef(pipeline=b"p", splittable=True, num_splits=4,
+                                    fingerprint="fp")
+    dataset_id = service.GetOrRegisterDataset(
+        dispatcher_pb2.GetOrRegisterDatasetRequest(dataset=dataset), None).dataset_id
+    service.WorkerHeartbeat(dispatcher_pb2.WorkerHeartbeatRequest(
+        worker_address="w:1", worker_uid=7), None)
+    job = service.GetOrCreateJob(dispatcher_pb2.GetOrCreateJobRequest(
+        config=common_pb2.JobConfig(dataset_id=dataset_id, job_name="j", sharding_policy=1)),
+        None)
+    iteration = service.GetOrCreateIteration(dispatcher_pb2.GetOrCreateIterationRequest(
+        job_id=job.job_id), None)
+    (task,) = service.state.iteration(iteration.iteration_id).task_ids
+    return iteration.iteration_id, task
+
+
+def test_a_restarted_service_continues_the_split_cursor(tmp_path: Path) -> None:
+    config = DispatcherConfig(fault_tolerant_mode=True, work_dir=str(tmp_path))
+    first = DispatcherService(config, FileJournal(tmp_path), clock=lambda: 0.0)
+    iteration_id, task_id = _register(first)
+
+    def get_split(service: DispatcherService, request_id: int) -> int:
+        return service.GetSplit(dispatcher_pb2.GetSplitRequest(
+            iteration_id=iteration_id, task_id=task_id, request_id=request_id), None).split_index
+
+    assert [get_split(first, i) for i in (1, 2)] == [0, 1]
+    state = first.state
+    first.close()
+    first._journal.close()  # noqa: SLF001 - what a kill -9 leaves is the same synced file
+
+    second = DispatcherService(config, FileJournal(tmp_path), clock=lambda: 0.0)
+    assert second.state == state
+    assert get_split(second, 2) == 1  # a retried request: the same split, not a new one
+    assert get_split(second, 3) == 2
+    # The restarted dispatcher knows the worker by its uid: no re-registration, same task.
+    reply = second.WorkerHeartbeat(dispatcher_pb2.WorkerHeartbeatRequest(
+        worker_address="w:1", worker_uid=7, current_tasks=[task_id]), None)
+    assert list(reply.new_tasks) == [] and second.state.workers["w:1"].uid == 7
+    second.close()

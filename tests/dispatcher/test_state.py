@@ -1,0 +1,340 @@
+"""DispatcherState with no servers: every Update kind, ids, split cursors, requeue, replay."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from torch_dataservice.config import DispatcherConfig
+from torch_dataservice.dispatcher.journal import NullJournal
+from torch_dataservice.dispatcher.service import DispatcherService
+from torch_dataservice.dispatcher.state import (
+    ID_BASES,
+    DispatcherState,
+    InvalidTransition,
+    RequeuedSplit,
+)
+from torch_dataservice.proto import common_pb2, dispatcher_pb2
+
+Update = dispatcher_pb2.Update
+DYNAMIC = 1
+
+
+# ---------------------------------------------------------------------- update builders
+def register_dataset(dataset_id: str, fingerprint: str = "", num_splits: int = 3) -> Update:
+    definition = common_pb2.DatasetDef(pipeline=b"p", fingerprint=fingerprint, splittable=True,
+                                       num_splits=num_splits)
+    return Update(register_dataset=dispatcher_pb2.RegisterDataset(
+        dataset_id=dataset_id, dataset=definition))
+
+
+def register_worker(address: str, uid: int = 7, index: int = -1) -> Update:
+    return Update(register_worker=dispatcher_pb2.RegisterWorker(
+        worker_address=address, worker_uid=uid, worker_index=index, host_id="h",
+        process_id="h:1"))
+
+
+def remove_worker(address: str) -> Update:
+    return Update(remove_worker=dispatcher_pb2.RemoveWorker(worker_address=address))
+
+
+def create_job(job_id: int, name: str, dataset_id: str = "1000", policy: int = DYNAMIC) -> Update:
+    config = common_pb2.JobConfig(dataset_id=dataset_id, job_name=name, sharding_policy=policy,
+                                  target_workers="AUTO")
+    return Update(create_job=dispatcher_pb2.CreateJob(job_id=job_id, config=config))
+
+
+def create_iteration(iteration_id: int, job_id: int, repetition: int = 0) -> Update:
+    return Update(create_iteration=dispatcher_pb2.CreateIteration(
+        iteration_id=iteration_id, job_id=job_id, repetition=repetition))
+
+
+def create_task(task_id: int, iteration_id: int, address: str) -> Update:
+    return Update(create_task=dispatcher_pb2.CreateTask(
+        task_id=task_id, iteration_id=iteration_id, worker_address=address))
+
+
+def finish_task(task_id: int) -> Update:
+    return Update(finish_task=dispatcher_pb2.FinishTask(task_id=task_id))
+
+
+def produce_split(iteration_id: int, repetition: int, index: int, task_id: int = 0,
+                  requeued: bool = False) -> Update:
+    return Update(produce_split=dispatcher_pb2.ProduceSplit(
+        iteration_id=iteration_id, repetition=repetition, split_index=index, task_id=task_id,
+        requeued=requeued))
+
+
+def requeue_split(iteration_id: int, repetition: int, index: int,
+                  delivered: tuple[int, ...] = ()) -> Update:
+    return Update(requeue_split=dispatcher_pb2.RequeueSplit(
+        iteration_id=iteration_id, split=common_pb2.SplitKey(repetition=repetition, index=index),
+        delivered_offsets=delivered))
+
+
+def acquire_client(client_id: int, iteration_id: int) -> Update:
+    return Update(acquire_client=dispatcher_pb2.AcquireClient(
+        client_id=client_id, iteration_id=iteration_id))
+
+
+def release_client(client_id: int) -> Update:
+    return Update(release_client=dispatcher_pb2.ReleaseClient(client_id=client_id))
+
+
+def garbage_collect(iteration_id: int) -> Update:
+    return Update(garbage_collect_iteration=dispatcher_pb2.GarbageCollectIteration(
+        iteration_id=iteration_id))
+
+
+def build(*updates: Update) -> DispatcherState:
+    state = DispatcherState()
+    for update in updates:
+        state.apply(update)
+    return state
+
+
+def one_iteration() -> list[Update]:
+    """A dataset, two workers, a DYNAMIC job, its first iteration with a task on each worker."""
+    return [
+        register_dataset("1000", fingerprint="fp"),
+        register_worker("w0:1"),
+        register_worker("w1:1"),
+        create_job(5000, "job"),
+        create_iteration(2000, 5000),
+        create_task(4000, 2000, "w0:1"),
+        create_task(4001, 2000, "w1:1"),
+        acquire_client(3000, 2000),
+    ]
+
+
+# ---------------------------------------------------------------------- every update kind
+def test_empty_update_is_an_invalid_transition() -> None:
+    with pytest.raises(InvalidTransition, match="empty update"):
+        DispatcherState().apply(Update())
+
+
+def test_register_dataset_records_it_and_its_fingerprint() -> None:
+    state = build(register_dataset("1000", fingerprint="fp"),
+                  register_dataset("1001", fingerprint="fp"))
+    assert set(state.datasets) == {"1000", "1001"}
+    assert state.dataset("1001").definition.num_splits == 3
+    # The first dataset with a fingerprint keeps it: re-registering returns the old id.
+    assert state.dataset_by_fingerprint == {"fp": "1000"}
+    assert state.peek_id("dataset") == 1002
+
+
+def test_named_dataset_ids_do_not_move_the_counter() -> None:
+    state = build(register_dataset("my-dataset"))
+    assert state.dataset("my-dataset").dataset_id == "my-dataset"
+    assert state.peek_id("dataset") == ID_BASES["dataset"]
+    # A numeric id chosen by a user moves the counter past it so it is never generated again.
+    state.apply(register_dataset("1500"))
+    assert state.peek_id("dataset") == 1501
+
+
+def test_register_and_remove_worker() -> None:
+    state = build(register_worker("w0:1", uid=11, index=0))
+    worker = state.workers["w0:1"]
+    assert (worker.uid, worker.index, worker.host_id, worker.process_id) == (11, 0, "h", "h:1")
+    with pytest.raises(InvalidTransition, match="already registered"):
+        state.apply(register_worker("w0:1"))
+    state.apply(remove_worker("w0:1"))
+    assert state.workers == {}
+    with pytest.raises(InvalidTransition, match="not registered"):
+        state.apply(remove_worker("w0:1"))
+
+
+def test_removing_a_worker_finishes_its_tasks_only() -> None:
+    state = build(*one_iteration())
+    assert state.worker_tasks("w0:1") == [state.task(4000)]
+    state.apply(remove_worker("w0:1"))
+    assert state.task(4000).finished and not state.task(4001).finished
+    assert state.worker_tasks("w0:1") == []
+    iteration = state.iteration(2000)
+    assert not state.is_finished(iteration)
+    state.apply(finish_task(4001))
+    assert state.is_finished(iteration)
+
+
+def test_create_job_and_duplicate_names() -> None:
+    state = build(register_dataset("1000"), create_job(5000, "a"), create_job(5007, "b"))
+    assert state.job_by_name == {"a": 5000, "b": 5007}
+    assert state.job(5007).config.dataset_id == "1000"
+    assert state.peek_id("job") == 5008
+    with pytest.raises(InvalidTransition, match="'a' already exists"):
+        state.apply(create_job(5008, "a"))
+
+
+def test_create_iteration_once_per_job_and_repetition() -> None:
+    state = build(register_dataset("1000"), create_job(5000, "a"), create_iteration(2000, 5000),
+                  create_iteration(2001, 5000, repetition=1))
+    assert state.iteration_by_key == {(5000, 0): 2000, (5000, 1): 2001}
+    assert state.peek_id("iteration") == 2002
+    with pytest.raises(InvalidTransition, match="already exists"):
+        state.apply(create_iteration(2002, 5000, repetition=1))
+    # Once collected, the same (job, repetition) may start afresh.
+    state.apply(garbage_collect(2001))
+    state.apply(create_iteration(2002, 5000, repetition=1))
+    assert state.iteration_by_key[(5000, 1)] == 2002
+
+
+def test_tasks_belong_to_an_iteration_and_a_worker() -> None:
+    state = build(*one_iteration())
+    iteration = state.iteration(2000)
+    assert iteration.task_ids == [4000, 4001]
+    assert [t.task_id for t in state.iteration_tasks(iteration)] == [4000, 4001]
+    assert state.workers["w1:1"].task_ids == {4001}
+    assert state.peek_id("task") == 4002
+    assert list(state.active_iterations()) == [iteration]
+    state.apply(finish_task(4000))
+    state.apply(finish_task(4000))  # repeated completions are harmless
+    assert state.task(4000).finished and state.workers["w0:1"].task_ids == set()
+    state.apply(finish_task(4001))
+    assert state.is_finished(iteration) and list(state.active_iterations()) == []
+
+
+def test_an_iteration_without_tasks_is_not_finished() -> None:
+    state = build(register_dataset("1000"), create_job(5000, "a"), create_iteration(2000, 5000))
+    assert not state.is_finished(state.iteration(2000))
+
+
+def test_clients_acquire_and_release() -> None:
+    state = build(*one_iteration(), acquire_client(3001, 2000))
+    assert state.clients == {3000: 2000, 3001: 2000}
+    assert state.iteration_of_client(3001).iteration_id == 2000
+    assert state.peek_id("client") == 3002
+    state.apply(release_client(3000))
+    state.apply(release_client(3000))  # releasing twice is a no-op
+    assert state.iteration(2000).client_ids == {3001}
+    with pytest.raises(LookupError, match="3000"):
+        state.iteration_of_client(3000)
+
+
+def test_garbage_collection_finishes_tasks_and_drops_clients() -> None:
+    state = build(*one_iteration())
+    state.apply(garbage_collect(2000))
+    iteration = state.iteration(2000)
+    assert iteration.garbage_collected and state.is_finished(iteration)
+    assert all(state.task(t).finished for t in iteration.task_ids)
+    assert state.clients == {} and iteration.client_ids == set()
+    assert list(state.active_iterations()) == []
+
+
+@pytest.mark.parametrize("query, argument", [
+    ("dataset", "nope"), ("job", 1), ("iteration", 1), ("task", 1), ("iteration_of_client", 1),
+])
+def test_queries_of_unknown_ids_raise_lookup_error(query: str, argument: object) -> None:
+    with pytest.raises(LookupError, match=str(argument)):
+        getattr(DispatcherState(), query)(argument)
+
+
+# ---------------------------------------------------------------------- split cursors
+def test_splits_are_handed_out_in_order() -> None:
+    state = build(*one_iteration(), produce_split(2000, 0, 0, task_id=4000),
+                  produce_split(2000, 0, 1, task_id=4001))
+    iteration = state.iteration(2000)
+    assert (iteration.cursor_repetition, iteration.cursor_index) == (0, 2)
+    assert state.task(4000).splits == {(0, 0)} and state.task(4001).splits == {(0, 1)}
+    with pytest.raises(InvalidTransition, match="out of order"):
+        state.apply(produce_split(2000, 0, 3))
+
+
+def test_end_of_splits_moves_the_cursor_to_the_next_repetition() -> None:
+    state = build(*one_iteration(), produce_split(2000, 0, 0), produce_split(2000, 0, -1))
+    iteration = state.iteration(2000)
+    assert (iteration.cursor_repetition, iteration.cursor_index) == (1, 0)
+    # An older repetition is drained: producing a split of it is a bug in the caller.
+    with pytest.raises(InvalidTransition, match="repetition 0"):
+        state.apply(produce_split(2000, 0, 1))
+
+
+def test_a_newer_repetition_restarts_the_cursor() -> None:
+    state = build(*one_iteration(), produce_split(2000, 0, 0), produce_split(2000, 0, 1),
+                  produce_split(2000, 2, 0))
+    iteration = state.iteration(2000)
+    assert (iteration.cursor_repetition, iteration.cursor_index) == (2, 1)
+
+
+def test_requeued_splits_are_handed_out_again_once() -> None:
+    state = build(*one_iteration(), produce_split(2000, 0, 0, task_id=4000),
+                  produce_split(2000, 0, 1, task_id=4000),
+                  requeue_split(2000, 0, 0, delivered=(0, 1)))
+    iteration = state.iteration(2000)
+    assert iteration.requeued == [RequeuedSplit(0, 0, frozenset({0, 1}))]
+    assert state.task(4000).splits == {(0, 1)}
+    state.apply(produce_split(2000, 0, 0, task_id=4001, requeued=True))
+    assert iteration.requeued == [] and state.task(4001).splits == {(0, 0)}
+    assert (iteration.cursor_repetition, iteration.cursor_index) == (0, 2)  # cursor untouched
+    with pytest.raises(InvalidTransition, match="was not requeued"):
+        state.apply(produce_split(2000, 0, 0, task_id=4001, requeued=True))
+
+
+def _service() -> DispatcherService:
+    service = DispatcherService(DispatcherConfig(), NullJournal(), clock=lambda: 0.0)
+    for update in one_iteration():
+        service._apply(update)
+    return service
+
+
+def _get_split(service: DispatcherService, repetition: int, task_id: int = 4000):
+    return service.GetSplit(dispatcher_pb2.GetSplitRequest(
+        iteration_id=2000, repetition=repetition, task_id=task_id), None)
+
+
+def test_get_split_follows_the_cursor_semantics() -> None:
+    service = _service()  # the dataset has 3 splits per repetition
+    assert [_get_split(service, 0).split_index for _ in range(3)] == [0, 1, 2]
+    assert _get_split(service, 0).end_of_splits
+    assert _get_split(service, 0).end_of_splits  # older than the cursor: drained, stays ended
+    # A newer repetition starts from its first split, and then the older one has ended.
+    assert _get_split(service, 2).split_index == 0
+    assert _get_split(service, 1).end_of_splits
+    assert _get_split(service, 2).split_index == 1
+    service.close()
+
+
+def test_get_split_prefers_requeued_splits_and_reports_the_skip() -> None:
+    service = _service()
+    _get_split(service, 0)
+    service._apply(requeue_split(2000, 0, 0, delivered=(0, 1, 2)))
+    response = _get_split(service, 0, task_id=4001)
+    assert (response.split_index, response.skip) == (0, 3)
+    assert _get_split(service, 0, task_id=4001).split_index == 1
+    service.close()
+
+
+# ---------------------------------------------------------------------- replay
+def _history() -> list[Update]:
+    return [
+        *one_iteration(),
+        register_dataset("named", fingerprint="other"),
+        produce_split(2000, 0, 0, task_id=4000),
+        produce_split(2000, 0, 1, task_id=4001),
+        requeue_split(2000, 0, 1, delivered=(0,)),
+        remove_worker("w1:1"),
+        produce_split(2000, 0, 1, task_id=4000, requeued=True),
+        produce_split(2000, 0, 2, task_id=4000),
+        produce_split(2000, 0, -1, task_id=4000),
+        finish_task(4000),
+        create_iteration(2001, 5000, repetition=1),
+        create_task(4002, 2001, "w0:1"),
+        acquire_client(3001, 2001),
+        release_client(3000),
+        garbage_collect(2000),
+        register_worker("w1:1", uid=8),
+        create_job(5001, "other-job", dataset_id="named", policy=0),
+    ]
+
+
+def test_replaying_the_same_updates_gives_an_equal_state() -> None:
+    updates = _history()
+    first = build(*updates)
+    # The journal stores serialized records: replay what a file would give back.
+    replayed = build(*(Update.FromString(u.SerializeToString()) for u in updates))
+    assert replayed == first
+    assert replayed.next_ids == {"dataset": 1001, "iteration": 2002, "client": 3002,
+                                 "task": 4003, "job": 5002}
+    snapshot = copy.deepcopy(first)
+    first.apply(create_iteration(2002, 5001))
+    assert first != snapshot  # equality is not trivially true

@@ -1,0 +1,43 @@
+"""A consumer process for the fault tests: reads one DYNAMIC epoch of Pipeline.range(N).
+
+Usage: python -m tests.fault.consumer DISPATCHER_ADDRESS N OUT_FILE [JOB_NAME [MAX_RATE]]
+MAX_RATE (elements/s, 0 = unlimited) stretches the epoch so that faults land inside it.
+Appends every element it receives to OUT_FILE (one per line, flushed in batches) and writes
+a final "done" line when the epoch ended, so the test can count delivered, missing and
+duplicated elements even if this process is killed.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch_dataservice as tds
+
+
+def main() -> int:
+    address, n, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    job_name = sys.argv[4] if len(sys.argv) > 4 else "fault-epoch"
+    max_rate = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
+    start = time.monotonic()
+    count = 0
+    pipeline = tds.Pipeline.range(n).map(lambda x: x).apply(
+        tds.distribute(tds.ShardingPolicy.DYNAMIC, f"grpc://{address}", job_name=job_name))
+    with open(out, "w") as f:
+        batch = []
+        for element in pipeline:
+            batch.append(f"{int(element)}\n")
+            count += 1
+            if len(batch) >= 256:
+                f.write("".join(batch))
+                f.flush()
+                batch.clear()
+                if max_rate:
+                    time.sleep(max(0.0, count / max_rate - (time.monotonic() - start)))
+        f.write("".join(batch))
+        f.write("done\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""The dispatcher's fault handling with no servers: requeue with delivered offsets, settling,
+the wait for clients' reports, job GC that is journaled and keeps the DYNAMIC cursor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from torch_dataservice.config import DispatcherConfig
+from torch_dataservice.dispatcher.file_journal import FileJournal
+from torch_dataservice.dispatcher.journal import NullJournal
+from torch_dataservice.dispatcher.service import DispatcherService
+from torch_dataservice.proto import common_pb2, dispatcher_pb2
+
+pb = dispatcher_pb2
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_service(clock: Clock, work_dir: Path | None = None, job_gc_timeout_ms: int = 100_000
+                 ) -> DispatcherService:
+    journal = FileJournal(work_dir) if work_dir else NullJournal()
+    return DispatcherService(DispatcherConfig(
+        fault_tolerant_mode=work_dir is not None, work_dir=str(work_dir) if work_dir else None,
+        worker_timeout_ms=1000, job_gc_timeout_ms=job_gc_timeout_ms), journal, clock=clock)
+
+
+def heartbeat_worker(service: DispatcherService, address: str, uid: int = 1,
+                     tasks: tuple[int, ...] = ()) -> pb.WorkerHeartbeatResponse:
+    return service.WorkerHeartbeat(pb.WorkerHeartbeatRequest(
+        worker_address=address, worker_uid=uid, current_tasks=tasks), None)
+
+
+def start_epoch(service: DispatcherService, workers=("a:1", "b:1")) -> tuple[int, int]:
+    """A DYNAMIC job over 4 splits, one iteration, one client; returns (iteration, client)."""
+    for address in workers:
+        heartbeat_worker(service, address)
+    dataset = common_pb2.DatasetDef(pipeline=b"p", splittable=True, num_splits=4, fingerprint="f")
+    dataset_id = service.GetOrRegisterDataset(
+        pb.GetOrRegisterDatasetRequest(dataset=dataset), None).dataset_id
+    job = service.GetOrCreateJob(pb.GetOrCreateJobRequest(config=common_pb2.JobConfig(
+        dataset_id=dataset_id, job_name="j", sharding_policy=1)), None)
+    reply = service.GetOrCreateIteration(pb.GetOrCreateIterationRequest(job_id=job.job_id), None)
+    return reply.iteration_id, reply.client_id
+
+
+def task_of(service: DispatcherService, iteration_id: int, address: str) -> int:
+    return next(t.task_id for t in service.state.iteration_tasks(
+        service.state.iteration(iteration_id)) if t.worker_address == address and not t.finished)
+
+
+def get_split(service: DispatcherService, iteration_id: int, task_id: int,
+              finished: tuple[int, int, int] | None = None) -> pb.GetSplitResponse:
+    request = pb.GetSplitRequest(iteration_id=iteration_id, task_id=task_id)
+    if finished is not None:
+        request.has_finished_split = True
+        request.finished_split.repetition, request.finished_split.index = finished[:2]
+        request.finished_split_elements = finished[2]
+    return service.GetSplit(request, None)
+
+
+def report(service: DispatcherService, client_id: int, split: int, offsets) -> None:
+    request = pb.ClientHeartbeatRequest(client_id=client_id)
+    request.received.add(split=common_pb2.SplitKey(repetition=0, index=split), offsets=offsets)
+    service.ClientHeartbeat(request, None)
+
+
+def test_a_dead_workers_split_is_handed_again_without_what_clients_received() -> None:
+    clock = Clock()
+    service = make_service(clock)
+    iteration_id, client = start_epoch(service)
+    a, b = task_of(service, iteration_id, "a:1"), task_of(service, iteration_id, "b:1")
+    assert get_split(service, iteration_id, a).split_index == 0
+    assert get_split(service, iteration_id, b).split_index == 1
+    report(service, client, 0, [0, 1, 2])
+    # Split 1 is settled: b produced 2 elements and both were received.
+    report(service, client, 1, [0, 1])
+    assert get_split(service, iteration_id, b, finished=(0, 1, 2)).split_index == 2
+    assert service.state.task(b).splits == {(0, 2)}
+    clock.now = 1.5
+    heartbeat_worker(service, "b:1")  # b stays alive, a goes silent
+    service.ClientHeartbeat(pb.ClientHeartbeatRequest(client_id=client), None)
+    service.check_liveness()
+    assert [s.index for s in service.state.iteration(iteration_id).requeued] == [0]
+    # Not handed again until the client reported what it got since the requeue.
+    assert get_split(service, iteration_id, b).split_index == 3
+    with pytest.raises(Exception, match="UNAVAILABLE|wait for clients"):
+        _get_split_no_context(service, iteration_id, b)
+    report(service, client, 0, [3])  # arrived late from a before it died
+    response = get_split(service, iteration_id, b)
+    assert (response.split_index, list(response.skip_offsets)) == (0, [0, 1, 2, 3])
+    assert get_split(service, iteration_id, b).end_of_splits
+    service.close()
+
+
+def _get_split_no_context(service: DispatcherService, iteration_id: int, task_id: int) -> None:
+    class Context:
+        def abort(self, code, details):
+            raise RuntimeError(f"{code.name}: {details}")
+
+    service.GetSplit(pb.GetSplitRequest(iteration_id=iteration_id, task_id=task_id), Context())
+
+
+def test_a_task_is_created_when_no_live_task_can_take_requeued_splits() -> None:
+    clock = Clock()
+    service = make_service(clock)
+    iteration_id, client = start_epoch(service)
+    a, b = task_of(service, iteration_id, "a:1"), task_of(service, iteration_id, "b:1")
+    get_split(service, iteration_id, a)
+    service.WorkerUpdate(pb.WorkerUpdateRequest(worker_address="b:1", completed_tasks=[b]),
+                         None)
+    heartbeat_worker(service, "a:1", uid=2)  # a restarted: its old task's split is requeued
+    iteration = service.state.iteration(iteration_id)
+    assert not service.state.is_finished(iteration)
+    new_on_b = task_of(service, iteration_id, "b:1")
+    assert new_on_b != b
+    report(service, client, 0, [])
+    assert get_split(service, iteration_id, new_on_b).split_index == 0
+    service.close()
+
+
+def test_job_gc_is_journaled_and_keeps_the_split_cursor(tmp_path: Path) -> None:
+    clock = Clock()
+    service = make_service(clock, tmp_path, job_gc_timeout_ms=1000)
+    iteration_id, client = start_epoch(service, workers=("a:1",))
+    a = task_of(service, iteration_id, "a:1")
+    assert get_split(service, iteration_id, a).split_index == 0
+    assert get_split(service, iteration_id, a, finished=(0, 0, 5)).split_index == 1
+    report(service, client, 0, range(5))
+    report(service, client, 1, [0, 1])  # split 1 was being read when the trainer vanished
+    clock.now = 1.5
+    heartbeat_worker(service, "a:1", tasks=(a,))
+    service.check_liveness()  # the client is released
+    clock.now = 3.0
+    heartbeat_worker(service, "a:1", tasks=(a,))
+    service.check_liveness()  # the iteration is collected
+    assert service.state.iteration(iteration_id).garbage_collected
+    reply = heartbeat_worker(service, "a:1", tasks=(a,))
+    assert list(reply.tasks_to_delete) == [a]  # and the worker drops the task
+    service.close()
+    service._journal.close()  # noqa: SLF001
+
+    restarted = make_service(clock, tmp_path, job_gc_timeout_ms=1000)
+    assert restarted.state.iteration(iteration_id).garbage_collected  # not resurrected
+    job_id = restarted.state.iteration(iteration_id).job_id
+    reply = restarted.GetOrCreateIteration(pb.GetOrCreateIterationRequest(job_id=job_id), None)
+    assert reply.iteration_id != iteration_id
+    recreated = restarted.state.iteration(reply.iteration_id)
+    assert (recreated.cursor_repetition, recreated.cursor_index) == (0, 2)
+    task = task_of(restarted, reply.iteration_id, "a:1")
+    report(restarted, reply.client_id, 1, [])
+    response = get_split(restarted, reply.iteration_id, task)
+    assert (response.split_index, list(response.skip_offsets)) == (1, [0, 1])
+    assert get_split(restarted, reply.iteration_id, task).split_index == 2
+    restarted.close()

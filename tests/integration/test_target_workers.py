@@ -1,0 +1,74 @@
+"""target_workers: "ANY" reads every worker over the network, "LOCAL" only workers on this host
+(a worker in this process without gRPC), "AUTO" = LOCAL under static sharding, else every
+worker. Unknown values are a ValueError.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import torch_dataservice as tds
+from tests.conftest import Cluster
+from torch_dataservice.client import reader as reader_module
+from torch_dataservice.worker import local
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Cluster:
+    from tests.conftest import _make_cluster
+
+    made = _make_cluster(2, num_processes=0)
+    yield made
+    made.stop()
+
+
+@pytest.fixture
+def grpc_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Addresses the reader opened gRPC channels to while reading."""
+    calls: list[str] = []
+    real = reader_module.channel_to
+
+    def recording(address: str):
+        calls.append(address)
+        return real(address)
+
+    monkeypatch.setattr(reader_module, "channel_to", recording)
+    return calls
+
+
+def read(cluster: Cluster, target_workers: str, n: int = 10) -> list:
+    return list(tds.Pipeline.range(n).apply(tds.distribute(
+        "parallel_epochs", cluster.target, target_workers=target_workers)))
+
+
+def test_unknown_target_workers_is_a_value_error(cluster: Cluster) -> None:
+    with pytest.raises(ValueError, match="'SOMEWHERE'"):
+        tds.distribute("parallel_epochs", cluster.target, target_workers="SOMEWHERE")
+    with pytest.raises(ValueError, match="'local'"):
+        tds.from_dataset_id("parallel_epochs", cluster.target, "1000", target_workers="local")
+
+
+def test_local_reads_from_an_in_process_worker_skip_grpc(
+        cluster: Cluster, grpc_calls: list[str]) -> None:
+    assert sorted(read(cluster, "LOCAL")) == sorted(list(range(10)) * 2)
+    worker_addresses = {w.address for w in cluster.workers}
+    assert not worker_addresses & set(grpc_calls), grpc_calls
+
+
+def test_any_reads_go_over_grpc(cluster: Cluster, grpc_calls: list[str]) -> None:
+    assert sorted(read(cluster, "ANY")) == sorted(list(range(10)) * 2)
+    worker_addresses = {w.address for w in cluster.workers}
+    assert worker_addresses <= set(grpc_calls), grpc_calls
+
+
+def test_auto_reads_every_worker_in_process(cluster: Cluster, grpc_calls: list[str]) -> None:
+    assert sorted(read(cluster, "AUTO")) == sorted(list(range(10)) * 2)
+    assert not {w.address for w in cluster.workers} & set(grpc_calls)
+
+
+def test_local_without_a_worker_on_this_host_is_an_error(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Pretend this reader runs on another machine than the workers.
+    monkeypatch.setattr(local, "HOST_ID", "another-host")
+    with pytest.raises(ValueError, match="run elsewhere"):
+        read(cluster, "LOCAL")
