@@ -30,4 +30,4 @@ protos: setup
 	$(PY) scripts/gen_protos.py
 
 bench: setup
-	$(PY) benchmarks/run.py
+	$(PY) benchmarks/throughput.py --quick

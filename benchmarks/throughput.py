@@ -3,7 +3,7 @@
 One worker and one consumer on loopback. The dispatcher and the worker run as subprocesses
 (`python -m torch_dataservice ...`), so elements really travel executor -> worker front -> gRPC
 -> this process (an in-process reader would skip gRPC). Machines are shared and noisy, so
-every figure is reported as a ratio against a baseline taken minutes apart at most:
+every figure is a ratio against a baseline measured in the same run:
 
   (a) tiny elements/s (`Pipeline.range(N)`)       vs  bare gRPC unary round trips/s
   (b) MB/s of 1 MB and 16 MB uint8 tensors,
@@ -11,9 +11,13 @@ every figure is reported as a ratio against a baseline taken minutes apart at mo
   (c) a CPU-bound pure-Python map (~5 ms/element) with num_processes=1 and =2
                                                   vs  the same map run locally
 
-Executor start-up and the start of each job are not counted: every reading is timed from its
-`--warmup`-th element on. If `tensorflow` is importable the same workloads also run through
-tf.data service (never a dependency). MB = 10**6 bytes.
+Two more reference rows say what the machine itself allowed during the run: bare gRPC moving
+16 MB replies (the ceiling of any gRPC data path), and the map in 2 plain processes vs 1 (what
+the cores give when other programs share them). Each figure and its baseline are measured in
+`--rounds` interleaved rounds and the best of each is kept: the least disturbed measurement.
+Executor start-up and job start are not counted: readings start after a few warm-up elements.
+If `tensorflow` is importable the same workloads also run through tf.data service (never a
+dependency). MB = 10**6 bytes.
 
     python benchmarks/throughput.py --quick     # < 60 s
     python benchmarks/throughput.py             # a few minutes
@@ -286,6 +290,7 @@ class Spin:
 def _spin_worker(loops: int, count: int, go: multiprocessing.Event,
                  spans: multiprocessing.Queue) -> None:
     spin = Spin(loops)
+    spans.put(None)  # ready
     go.wait()
     start = time.time()
     for index in range(count):
@@ -301,7 +306,8 @@ def bare_processes_rate(loops: int, count: int, processes: int) -> float:
                for _ in range(processes)]
     for worker in workers:
         worker.start()
-    time.sleep(0.5)  # let them boot, so start-up is not timed
+    for _ in workers:  # all booted, so start-up is not timed
+        spans.get(timeout=120)
     go.set()
     times = [spans.get(timeout=120) for _ in workers]
     for worker in workers:

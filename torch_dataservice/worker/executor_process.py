@@ -46,6 +46,9 @@ ReplicaKey = tuple[int, int]  # (task id, replica index)
 MAX_BYTES_IN_FLIGHT = 64 << 20
 # Larger payloads skip pickling and go as raw bytes after their header (see send_element).
 INLINE_PAYLOAD_BYTES = 64 << 10
+# Payloads up to this size are copied once and sent in the background; larger ones are written
+# from the element's own memory while the replica waits (a copy would cost more than the wait).
+COPY_PAYLOAD_BYTES = 8 << 20
 
 
 class _Stopped(Exception):
@@ -191,6 +194,11 @@ class ExecutorLoop:
         if size <= INLINE_PAYLOAD_BYTES:
             self.send(("element", key, split, offset, b"".join(parts)))
             return
+        if size <= COPY_PAYLOAD_BYTES:
+            # One copy (about a millisecond) frees the replica to compute the next element
+            # while the sender writes this one, instead of idling until the front has read it.
+            self.send(("element", key, split, offset, size, [b"".join(parts)], None))
+            return
         # The parts are views of the element's memory: wait until they are written, so the
         # pipeline may reuse that memory as soon as it gets the next element.
         written = threading.Event()
@@ -211,7 +219,7 @@ class ExecutorLoop:
                 done = True
             if done:
                 for message in messages:  # nobody waits forever for a big element
-                    if message is not None and len(message) == 7:
+                    if message is not None and len(message) == 7 and message[6] is not None:
                         message[6].set()
                 return
 
@@ -231,7 +239,8 @@ class ExecutorLoop:
                 # Raw writes of the encoded parts: no join here, no BytesIO on the other side.
                 for part in message[5]:
                     write_all(self._conn.fileno(), part)
-                message[6].set()
+                if message[6] is not None:
+                    message[6].set()
             else:
                 self._conn.send(message)
         if small:
