@@ -189,3 +189,35 @@ def test_a_restarted_worker_processes_its_shard_again(cluster_factory) -> None:
     # What worker 1 delivered before its restart comes again: it started its shard over.
     assert all(counts[k] == 2 for k in before if k % 2 == 1)
     assert any(k % 2 == 1 for k in before)
+
+
+def slow_odd(x: int) -> int:
+    if x % 2:
+        time.sleep(0.02)
+    return x
+
+
+def test_a_worker_restarted_after_the_others_finished_reads_its_shard(cluster_factory) -> None:
+    # Worker 0's shard (even elements) is fast and ends first; worker 1 is restarted while it
+    # is the last one running: the iteration must wait for it, not end with the shard half read.
+    small = static_cluster(cluster_factory, num_processes=0)
+    state = small.dispatcher._service.state  # noqa: SLF001 (test introspection)
+    n = 100
+    # HINT shards before the map, so only worker 1 (odd elements) is slow.
+    pipeline = tds.Pipeline.range(n).shard(tds.SHARD_HINT, tds.SHARD_HINT).map(slow_odd)
+    it = iter(pipeline.apply(
+        tds.distribute(tds.ShardingPolicy.HINT, small.target, max_outstanding_requests=1)))
+    got = []
+    deadline = time.monotonic() + 60
+    worker0 = small.workers[0].address
+    while not any(t.finished and t.worker_address == worker0 for t in state.tasks.values()):
+        got.append(next(it))
+        assert time.monotonic() < deadline, "worker 0's task never finished"
+    restarted = small.workers[1]
+    port = restarted.port
+    small.stop_worker(restarted)
+    small.add_worker(port=port)
+    got += list(it)
+    counts = Counter(got)
+    assert all(counts[k] == 1 for k in range(0, n, 2)), "worker 0's shard exactly once"
+    assert all(counts[k] >= 1 for k in range(1, n, 2)), "worker 1's whole shard, after restart"

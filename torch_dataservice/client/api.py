@@ -15,6 +15,7 @@ import cloudpickle
 from torch_dataservice.pipeline import Pipeline
 from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
 from torch_dataservice.rpc import channel_to, parse_service, retry
+from torch_dataservice.worker import shared_objects
 
 
 class ShardingPolicy(enum.IntEnum):
@@ -147,7 +148,8 @@ def dataset_def(pipeline: Pipeline, compression: str | None) -> common_pb2.Datas
     """What the dispatcher keeps of a pipeline: its bytes and facts it cannot unpickle itself."""
     if not isinstance(pipeline, Pipeline):
         raise ValueError(f"dataset must be a torch_dataservice.Pipeline, got {type(pipeline)!r}")
-    data = cloudpickle.dumps(pipeline)
+    with shared_objects.collecting() as depends_on:
+        data = cloudpickle.dumps(pipeline)
     definition = common_pb2.DatasetDef(
         pipeline=data,
         compression=compression or "",
@@ -157,10 +159,33 @@ def dataset_def(pipeline: Pipeline, compression: str | None) -> common_pb2.Datas
         num_files=len(pipeline.files) if pipeline.is_file_based else 0,
         has_shard_hint=pipeline.has_shard_hint,
         order_sensitive=_is_order_sensitive(pipeline),
+        depends_on=list(dict.fromkeys(depends_on)),
     )
     definition.fingerprint = hashlib.sha256(
         data + (compression or "").encode()).hexdigest()
     return definition
+
+
+def shared_object_def(obj: Any) -> common_pb2.DatasetDef:
+    """A dataset holding `obj` for pipelines to refer to (worker/shared_objects.py)."""
+    with shared_objects.collecting() as depends_on:
+        data = cloudpickle.dumps(obj)
+    return common_pb2.DatasetDef(
+        pipeline=data, shared_object=True, depends_on=list(dict.fromkeys(depends_on)),
+        fingerprint="shared:" + hashlib.sha256(data).hexdigest())
+
+
+def register_definition(service: Any, definition: common_pb2.DatasetDef,
+                        dataset_id: str | None = None) -> str:
+    """Register an already built `DatasetDef`; returns its dataset id."""
+    _, address = parse_service(service)
+    request = dispatcher_pb2.GetOrRegisterDatasetRequest(
+        dataset=definition, dataset_id=dataset_id or "")
+    stub = _dispatcher(address)
+    response = retry(lambda: stub.GetOrRegisterDataset(request, timeout=30),
+                     description=f"registering a dataset with the dispatcher at {address}",
+                     deadline_s=connect_timeout_s())
+    return response.dataset_id
 
 
 def _dispatcher(address: str) -> dispatcher_pb2_grpc.DispatcherServiceStub:
@@ -179,13 +204,7 @@ def register_dataset(service: Any, dataset: Pipeline, compression: str | None = 
     if dataset_id is not None and (not isinstance(dataset_id, str) or not dataset_id):
         raise ValueError(f"dataset_id must be a non-empty string or None, got {dataset_id!r}")
     definition = dataset_def(dataset, compression)
-    request = dispatcher_pb2.GetOrRegisterDatasetRequest(
-        dataset=definition, dataset_id=dataset_id or "")
-    stub = _dispatcher(address)
-    response = retry(lambda: stub.GetOrRegisterDataset(request, timeout=30),
-                     description=f"registering a dataset with the dispatcher at {address}",
-                     deadline_s=connect_timeout_s())
-    return response.dataset_id
+    return register_definition(address, definition, dataset_id)
 
 
 class ServiceSource:

@@ -63,10 +63,55 @@ class _TaskState:
     failures: int = 0
 
 
+class _SplitReceived:
+    """The offsets of one split received so far: every offset below `below`, and `extra`.
+
+    Elements of a split arrive mostly in order, so this stays one int per split; the
+    dispatcher's notice that a split is settled collapses it to one int whatever arrived.
+    """
+
+    __slots__ = ("below", "extra")
+
+    def __init__(self) -> None:
+        self.below = 0
+        self.extra: set[int] | None = None
+
+    def add(self, offset: int) -> bool:
+        """Record `offset`; False if it was received already."""
+        extra = self.extra
+        if offset < self.below or (extra is not None and offset in extra):
+            return False
+        if offset != self.below:
+            if extra is None:
+                extra = self.extra = set()
+            extra.add(offset)
+            return True
+        self.below += 1
+        self._absorb()
+        return True
+
+    def settle(self, num_elements: int) -> None:
+        """Every offset below `num_elements` was delivered (to this client or another)."""
+        if num_elements > self.below:
+            self.below = num_elements
+            if self.extra is not None:
+                self.extra = {o for o in self.extra if o >= num_elements} or None
+            self._absorb()
+
+    def _absorb(self) -> None:
+        extra = self.extra
+        while extra and self.below in extra:
+            extra.remove(self.below)
+            self.below += 1
+        if not extra:
+            self.extra = None
+
+
 @dataclass
 class _Batch:
     payloads: deque = field(default_factory=deque)
     error: RemoteError | None = None
+    borrow: bool = False  # payloads are ours alone: decode may build tensors over them
 
 
 class IterationReader:
@@ -127,12 +172,13 @@ class IterationReader:
         self._current: _Batch | None = None
         self._fatal: BaseException | None = None
         self._closed = threading.Event()
-        # Exactly-once DYNAMIC (dispatcher/service.py): the (split, offset) of every element
-        # received, to drop one handed again, and those not yet reported to the dispatcher.
+        # Exactly-once DYNAMIC (dispatcher/service.py): the offsets received of every split
+        # (compacted, see _SplitReceived), to drop an element handed again, and those not yet
+        # reported to the dispatcher.
         self._exactly_once = (job_config.sharding_policy == DYNAMIC
                               and not job_config.HasField("num_consumers"))
         self._received_lock = threading.Lock()
-        self._seen: dict[tuple[int, int], set[int]] = {}
+        self._seen: dict[tuple[int, int], _SplitReceived] = {}
         self._unreported: dict[tuple[int, int], list[int]] = {}
         self._threads = [threading.Thread(target=self._heartbeat_loop, daemon=True,
                                           name=f"reader-heartbeat-{self.client_id}")]
@@ -170,6 +216,12 @@ class IterationReader:
                 self._fatal = rpc_error_to_exception(error, "client heartbeat")
                 self._lock.notify_all()
             return
+        if response.settled:
+            with self._received_lock:
+                for settled in response.settled:
+                    received = self._seen.get((settled.split.repetition, settled.split.index))
+                    if received is not None:
+                        received.settle(settled.num_elements)
         with self._lock:
             if response.error:
                 self._fatal = RuntimeError(response.error)
@@ -264,12 +316,22 @@ class IterationReader:
                 and self._target_workers != "ANY") else None
             if service is not None:
                 header, payloads = service.fetch(request)
+                # Big payloads are the worker's shared-memory segments, handed to us alone
+                # unless a cross-trainer cache serves the same payload to every trainer.
+                borrow = not self._trainer_id
             else:
-                raw = channel_to(address).unary_unary(
-                    f"/{SERVICE_NAME}/GetElements",
+                # Streamed in chunks and assembled into one buffer per big payload, which
+                # decode then uses as the tensors' memory (wire/frame.py).
+                call = channel_to(address).unary_stream(
+                    f"/{SERVICE_NAME}/StreamElements",
                     request_serializer=worker_pb2.GetElementsRequest.SerializeToString,
                 )(request, timeout=30)
-                header, payloads = frame.parse_frame(raw)
+                try:
+                    header, payloads = frame.assemble_frame(call)
+                except BaseException:
+                    call.cancel()
+                    raise
+                borrow = True
         except grpc.RpcError as error:
             if is_retryable(error) or error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 state.failures += 1
@@ -283,7 +345,7 @@ class IterationReader:
             state.retry_at = time.monotonic() + UNKNOWN_TASK_BACKOFF_S
             return None
         state.failures = 0
-        batch = _Batch(deque(self._keep_new(header, payloads)))
+        batch = _Batch(deque(self._keep_new(header, payloads)), borrow=borrow)
         if header.has_error:
             batch.error = RemoteError(header.error.type, header.error.message,
                                       header.error.traceback)
@@ -302,10 +364,11 @@ class IterationReader:
             for info, payload in zip(header.elements, payloads, strict=False):
                 if info.has_split:
                     key = (info.split.repetition, info.split.index)
-                    seen = self._seen.setdefault(key, set())
-                    if info.offset in seen:
+                    received = self._seen.get(key)
+                    if received is None:
+                        received = self._seen[key] = _SplitReceived()
+                    if not received.add(info.offset):
                         continue
-                    seen.add(info.offset)
                     self._unreported.setdefault(key, []).append(info.offset)
                 kept.append(payload)
         return kept
@@ -408,7 +471,7 @@ class IterationReader:
                     if not batch.payloads and batch.error is None:
                         self._current = None
                         self._slots.release()
-                    return codec.decode(payload)
+                    return codec.decode(payload, borrow=batch.borrow)
                 if batch.error is not None:
                     self._current = None
                     self._slots.release()

@@ -18,15 +18,24 @@ provided that
   - a worker declared dead (silent for worker_timeout_ms, or re-registered with a new uid) is
     really gone: a partitioned worker that still serves elements after its splits were handed
     again may deliver some twice (each client still drops what it already got);
-  - the source is not under `repeat()` with a requeued split of a repetition every task has
-    already left (such a split waits for a task of its own repetition).
+  - every client of the iteration reports within worker_timeout_ms of a requeue (see below).
 How: workers tag each element with (split repetition, split index, offset in the split) and
 report each split's element count when they finish producing it; clients report the offsets
 they received in their heartbeats; a split is settled when all its offsets were received.
 When a worker leaves, each split it held and that is not settled goes back to its iteration
 (RequeueSplit) with the offsets already delivered; it is handed again, once every client of
 the iteration has heartbeated since (so their reports are in), to a live task, whose replica
-skips those offsets. If no task of the iteration is left on a live worker, one is created.
+skips those offsets. Any task takes it, whatever repetition it asks for (under `repeat()` every
+live task may have moved past the split's repetition): the reply carries the split's own
+repetition and the replica tags the elements with it, so the split keeps its key. If no
+unfinished task of the iteration is left on a live worker (now, or when the last one
+finishes), one is created on every live worker.
+The wait for clients' reports is bounded by worker_timeout_ms after the requeue (and a client
+silent that long is not waited for): after that the split is handed with the offsets known.
+Trade-off: an element a slow client received from the dead worker and had not reported yet is
+produced again; that client drops it (it remembers what it received), but in a job shared by
+several clients another one may receive it too. Waiting longer (up to job_gc_timeout_ms, when a
+silent client is released) would hold the whole epoch's end for a trainer that may be gone.
 GetSplit is idempotent per (task, replica, request id), so a reply lost to a dispatcher crash
 does not lose a split.
 """
@@ -103,6 +112,14 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         self._client_heartbeat: dict[int, int] = {}
         self._requeued_at: dict[int, int] = {
             i: 0 for i, it in self._state.iterations.items() if it.requeued}
+        self._requeued_time: dict[int, float] = dict.fromkeys(self._requeued_at, now)
+        # Splits settled per iteration, (repetition, index, elements), for the heartbeat
+        # replies of its clients (they compact what they remember); `_settled_base` is the
+        # position of the first one kept, `_settled_sent` each client's position. Soft state:
+        # after a restart clients only miss some compaction.
+        self._settled: dict[int, list[tuple[int, int, int]]] = {}
+        self._settled_base: dict[int, int] = {}
+        self._settled_sent: dict[int, int] = {}
         self._pusher = ThreadPoolExecutor(max_workers=4, thread_name_prefix="task-push")
 
     @property
@@ -123,6 +140,12 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
     def GetOrRegisterDataset(self, request, context):
         definition = request.dataset
         with self._lock:
+            for dependency in definition.depends_on:
+                # A worker fetches these before the pipeline; one missing (e.g. a dispatcher
+                # without a journal restarted) is NOT_FOUND, so the client registers it again.
+                if dependency not in self._state.datasets:
+                    raise LookupError(f"dataset {dependency!r}, which this pipeline refers to, "
+                                      "is not registered")
             if request.dataset_id:
                 if request.dataset_id not in self._state.datasets:
                     self._apply(Update(register_dataset=dispatcher_pb2.RegisterDataset(
@@ -170,6 +193,9 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         if policy not in POLICY_NAMES:
             raise ValueError(f"unknown sharding policy {policy}")
         name = POLICY_NAMES[policy]
+        if dataset.shared_object:
+            raise ValueError(f"dataset {config.dataset_id} is a shared object for other "
+                             "pipelines to refer to, not a pipeline to read")
         if policy == DYNAMIC and not dataset.splittable:
             raise ValueError(
                 "sharding policy DYNAMIC needs a splittable source (range, from_items, "
@@ -224,6 +250,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             self._iteration_idle_since.pop(iteration_id, None)
             if self._state.iterations[iteration_id].requeued:  # carried over from a collected one
                 self._requeued_at.setdefault(iteration_id, self._heartbeats)
+                self._requeued_time.setdefault(iteration_id, self._clock())
             task_defs = [(t.worker_address, self._task_def(t)) for t in new_tasks]
         self._push_tasks(task_defs)
         return dispatcher_pb2.GetOrCreateIterationResponse(
@@ -273,6 +300,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             response = dispatcher_pb2.ClientHeartbeatResponse(
                 iteration_finished=self._state.is_finished(iteration)
             )
+            self._send_settled(iteration, request.client_id, response)
             if iteration.garbage_collected:
                 response.error = f"iteration {iteration.iteration_id} was garbage-collected"
             coordinated = self._coordinated(iteration)
@@ -311,8 +339,39 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                    if (r.split.repetition, r.split.index) in iteration.delivered
                    or (r.split.repetition, r.split.index) in requeued]
         if tracked:
+            sizes = {key: iteration.produced[key] for key in (
+                (r.split.repetition, r.split.index) for r in tracked)
+                if key in iteration.produced}
             self._apply(Update(record_delivered=dispatcher_pb2.RecordDelivered(
                 iteration_id=iteration.iteration_id, splits=tracked)))
+            self._note_settled(iteration, sizes)
+
+    def _note_settled(self, iteration: Iteration, sizes: dict[tuple[int, int], int]) -> None:
+        """Log the splits among `sizes` (key -> elements) that the last update settled."""
+        if not iteration.client_ids:
+            return  # nobody to tell; a client that joins later starts at the log's end
+        log = self._settled.setdefault(iteration.iteration_id, [])
+        for key, size in sizes.items():
+            if key not in iteration.delivered:
+                log.append((*key, size))
+
+    def _send_settled(self, iteration: Iteration, client_id: int,
+                      response: dispatcher_pb2.ClientHeartbeatResponse) -> None:
+        iteration_id = iteration.iteration_id
+        log = self._settled.get(iteration_id)
+        if not log:
+            return
+        base = self._settled_base.get(iteration_id, 0)
+        start = self._settled_sent.get(client_id, base) - base
+        for repetition, index, size in log[max(0, start):]:
+            response.settled.add(split=common_pb2.SplitKey(repetition=repetition, index=index),
+                                 num_elements=size)
+        self._settled_sent[client_id] = base + len(log)
+        # Forget what every client of the iteration was sent.
+        done = min(self._settled_sent.get(c, base) for c in iteration.client_ids) - base
+        if done > 0:
+            del log[:done]
+            self._settled_base[iteration_id] = base + done
 
     @servicer_method
     @_durable
@@ -326,6 +385,10 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         iteration_id = self._state.clients[client_id]
         self._apply(Update(release_client=dispatcher_pb2.ReleaseClient(client_id=client_id)))
         self._client_seen.pop(client_id, None)
+        self._settled_sent.pop(client_id, None)
+        if not self._state.iterations[iteration_id].client_ids:
+            self._settled.pop(iteration_id, None)
+            self._settled_base.pop(iteration_id, None)
         if not self._state.iterations[iteration_id].client_ids:
             self._iteration_idle_since[iteration_id] = self._clock()
 
@@ -388,15 +451,22 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         new_tasks: list[Task] = []
         for iteration_id in sorted(requeued_in):
             self._requeued_at[iteration_id] = self._heartbeats
+            self._requeued_time[iteration_id] = self._clock()
             iteration = self._state.iterations[iteration_id]
             logger.info("iteration %d: %d split(s) of worker %s requeued", iteration_id,
                         len(iteration.requeued), address)
-            if any(not t.finished and t.worker_address in self._state.workers
-                   for t in self._state.iteration_tasks(iteration)):
-                continue
-            for other in sorted(self._state.workers):
-                new_tasks.append(self._create_task(iteration_id, other))
+            new_tasks += self._ensure_requeue_takers(iteration)
         return [(t.worker_address, self._task_def(t)) for t in new_tasks]
+
+    def _ensure_requeue_takers(self, iteration: Iteration) -> list[Task]:
+        """New tasks on every live worker when `iteration` has requeued splits and no
+        unfinished task on a live worker to take them (a finished task asks for no split)."""
+        if not iteration.requeued or iteration.garbage_collected or any(
+                not t.finished and t.worker_address in self._state.workers
+                for t in self._state.iteration_tasks(iteration)):
+            return []
+        return [self._create_task(iteration.iteration_id, address)
+                for address in sorted(self._state.workers)]
 
     def _worker_index(self, address: str) -> int:
         addresses = self._config.worker_addresses
@@ -412,11 +482,18 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
     @servicer_method
     @_durable
     def WorkerUpdate(self, request, context):
+        new_tasks: list[Task] = []
         with self._lock:
             for task_id in request.completed_tasks:
                 task = self._state.tasks.get(task_id)
                 if task is not None and not task.finished:
                     self._apply(Update(finish_task=dispatcher_pb2.FinishTask(task_id=task_id)))
+                    # A split requeued after this task's replicas took their last split waits
+                    # for this task to end; then nobody would ask for it.
+                    new_tasks += self._ensure_requeue_takers(
+                        self._state.iteration(task.iteration_id))
+            pushes = [(t.worker_address, self._task_def(t)) for t in new_tasks]
+        self._push_tasks(pushes)
         return dispatcher_pb2.WorkerUpdateResponse()
 
     # ------------------------------------------------------------------ splits
@@ -437,6 +514,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                         iteration_id=iteration.iteration_id, task_id=task.task_id,
                         split=request.finished_split,
                         num_elements=request.finished_split_elements)))
+                    self._note_settled(iteration, {key: request.finished_split_elements})
             last = task.last_split.get(request.replica)
             if request.request_id and last is not None and last[0] == request.request_id:
                 return _split_response(iteration, last[1], last[2])  # a retried request
@@ -447,7 +525,8 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             return response
 
     def _requeue_ready(self, iteration: Iteration) -> bool:
-        """Every client of `iteration` reported what it received since the last requeue.
+        """Every client of `iteration` reported what it received since the last requeue, or
+        worker_timeout_ms passed since it (see the module docstring for the trade-off).
 
         A client silent for longer than worker_timeout_ms is not waited for (it may be a
         trainer that died, or one that never heartbeated): it cannot report anything new.
@@ -457,6 +536,8 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             return True
         now = self._clock()
         silent_s = self._config.effective_worker_timeout_ms / 1000
+        if now - self._requeued_time.get(iteration.iteration_id, now) > silent_s:
+            return True
         return all(self._client_heartbeat.get(c, 0) > since
                    or now - self._client_seen.get(c, now) > silent_s
                    for c in iteration.client_ids)
@@ -464,26 +545,26 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
     def _next_split(
         self, iteration: Iteration, repetition: int, task: Task
     ) -> tuple[dispatcher_pb2.ProduceSplit | None, dispatcher_pb2.GetSplitResponse]:
-        """The next split for `task` in `repetition`: a requeued one first, then the cursor.
+        """The next split for `task` in `repetition`: a requeued one first (oldest first,
+        of any repetition: see the module docstring), then the cursor.
 
         Raises NotReadyError (UNAVAILABLE: the worker retries) when only requeued splits are
         left and clients have not yet reported what they received of them.
         """
         waiting = False
-        for split in iteration.requeued:
-            if split.repetition != repetition:
-                continue
-            if not self._requeue_ready(iteration):
-                waiting = True
-                break
-            offsets = sorted(split.delivered_offsets)
-            return (
-                dispatcher_pb2.ProduceSplit(
-                    iteration_id=iteration.iteration_id, repetition=split.repetition,
-                    split_index=split.index, task_id=task.task_id, requeued=True),
-                dispatcher_pb2.GetSplitResponse(
-                    split_index=split.index, skip=len(offsets), skip_offsets=offsets),
-            )
+        if iteration.requeued:
+            if self._requeue_ready(iteration):
+                split = min(iteration.requeued, key=lambda s: (s.repetition, s.index))
+                offsets = sorted(split.delivered_offsets)
+                return (
+                    dispatcher_pb2.ProduceSplit(
+                        iteration_id=iteration.iteration_id, repetition=split.repetition,
+                        split_index=split.index, task_id=task.task_id, requeued=True),
+                    dispatcher_pb2.GetSplitResponse(
+                        split_index=split.index, skip=len(offsets), skip_offsets=offsets,
+                        repetition=split.repetition),
+                )
+            waiting = True
         not_ready = NotReadyError(
             f"iteration {iteration.iteration_id}: splits of a lost worker wait for clients to "
             "report what they received; retry")
@@ -501,7 +582,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             produce.split_index = -1
             return produce, dispatcher_pb2.GetSplitResponse(end_of_splits=True)
         produce.split_index = index
-        return produce, dispatcher_pb2.GetSplitResponse(split_index=index)
+        return produce, dispatcher_pb2.GetSplitResponse(split_index=index, repetition=repetition)
 
     def _num_splits(self, iteration: Iteration) -> int:
         job = self._state.job(iteration.job_id)
@@ -560,7 +641,7 @@ def _split_response(iteration: Iteration, repetition: int,
         return dispatcher_pb2.GetSplitResponse(end_of_splits=True)
     offsets = sorted(iteration.delivered.get((repetition, index), ()))
     return dispatcher_pb2.GetSplitResponse(split_index=index, skip=len(offsets),
-                                           skip_offsets=offsets)
+                                           skip_offsets=offsets, repetition=repetition)
 
 
 def _check_matching_job(existing: common_pb2.JobConfig, requested: common_pb2.JobConfig) -> None:

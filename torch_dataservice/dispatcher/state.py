@@ -17,6 +17,7 @@ from torch_dataservice.proto import common_pb2, dispatcher_pb2
 Update = dispatcher_pb2.Update
 
 OFF, DYNAMIC = 0, 1
+STATIC_POLICIES = frozenset({2, 3, 4, 5})  # FILE, DATA, FILE_OR_DATA, HINT
 ID_BASES = {"dataset": 1000, "iteration": 2000, "client": 3000, "task": 4000, "job": 5000}
 
 
@@ -54,6 +55,8 @@ class Task:
     worker_address: str
     starting_round: int = 0
     finished: bool = False
+    # Finished because its worker left, not because it ran to its end.
+    lost: bool = False
     # DYNAMIC exactly-once: splits handed to this task, by (repetition, index), until every
     # element of them is delivered (settled) or they are requeued.
     splits: set[tuple[int, int]] = field(default_factory=set)
@@ -130,6 +133,7 @@ class DispatcherState:
         if worker is None:
             raise InvalidTransition(f"worker {u.worker_address} is not registered")
         for task_id in sorted(worker.task_ids):
+            self.tasks[task_id].lost = True
             self._finish_task(self.tasks[task_id])
 
     def _apply_create_job(self, u: dispatcher_pb2.CreateJob) -> None:
@@ -331,7 +335,14 @@ class DispatcherState:
         if iteration.requeued:  # a dead worker's splits wait for a live one
             return False
         tasks = list(self.iteration_tasks(iteration))
-        return bool(tasks) and all(task.finished for task in tasks)
+        if not tasks or not all(task.finished for task in tasks):
+            return False
+        if self.jobs[iteration.job_id].config.sharding_policy in STATIC_POLICIES:
+            # A static shard belongs to a fixed worker address: a task lost with its worker is
+            # done only once a task of a restarted worker at that address has replaced it.
+            done = {t.worker_address for t in tasks if not t.lost}
+            return all(t.worker_address in done for t in tasks)
+        return True
 
     def active_iterations(self) -> Iterator[Iteration]:
         return (

@@ -1,11 +1,13 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
 from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DatasetDef(_message.Message):
-    __slots__ = ("pipeline", "compression", "splittable", "num_splits", "file_based", "num_files", "has_shard_hint", "fingerprint", "order_sensitive")
+    __slots__ = ("pipeline", "compression", "splittable", "num_splits", "file_based", "num_files", "has_shard_hint", "fingerprint", "order_sensitive", "depends_on", "shared_object")
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     SPLITTABLE_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +17,8 @@ class DatasetDef(_message.Message):
     HAS_SHARD_HINT_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ORDER_SENSITIVE_FIELD_NUMBER: _ClassVar[int]
+    DEPENDS_ON_FIELD_NUMBER: _ClassVar[int]
+    SHARED_OBJECT_FIELD_NUMBER: _ClassVar[int]
     pipeline: bytes
     compression: str
     splittable: bool
@@ -24,7 +28,9 @@ class DatasetDef(_message.Message):
     has_shard_hint: bool
     fingerprint: str
     order_sensitive: bool
-    def __init__(self, pipeline: _Optional[bytes] = ..., compression: _Optional[str] = ..., splittable: _Optional[bool] = ..., num_splits: _Optional[int] = ..., file_based: _Optional[bool] = ..., num_files: _Optional[int] = ..., has_shard_hint: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., order_sensitive: _Optional[bool] = ...) -> None: ...
+    depends_on: _containers.RepeatedScalarFieldContainer[str]
+    shared_object: bool
+    def __init__(self, pipeline: _Optional[bytes] = ..., compression: _Optional[str] = ..., splittable: _Optional[bool] = ..., num_splits: _Optional[int] = ..., file_based: _Optional[bool] = ..., num_files: _Optional[int] = ..., has_shard_hint: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., order_sensitive: _Optional[bool] = ..., depends_on: _Optional[_Iterable[str]] = ..., shared_object: _Optional[bool] = ...) -> None: ...
 
 class JobConfig(_message.Message):
     __slots__ = ("dataset_id", "job_name", "sharding_policy", "num_consumers", "target_workers", "cross_trainer_cache")

@@ -82,14 +82,24 @@ class ReceivedSplit(_message.Message):
     def __init__(self, task_id: _Optional[int] = ..., split: _Optional[_Union[_common_pb2.SplitKey, _Mapping]] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ClientHeartbeatResponse(_message.Message):
-    __slots__ = ("tasks", "iteration_finished", "error")
+    __slots__ = ("tasks", "iteration_finished", "error", "settled")
     TASKS_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FINISHED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_FIELD_NUMBER: _ClassVar[int]
     tasks: _containers.RepeatedCompositeFieldContainer[_common_pb2.TaskInfo]
     iteration_finished: bool
     error: str
-    def __init__(self, tasks: _Optional[_Iterable[_Union[_common_pb2.TaskInfo, _Mapping]]] = ..., iteration_finished: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    settled: _containers.RepeatedCompositeFieldContainer[SettledSplit]
+    def __init__(self, tasks: _Optional[_Iterable[_Union[_common_pb2.TaskInfo, _Mapping]]] = ..., iteration_finished: _Optional[bool] = ..., error: _Optional[str] = ..., settled: _Optional[_Iterable[_Union[SettledSplit, _Mapping]]] = ...) -> None: ...
+
+class SettledSplit(_message.Message):
+    __slots__ = ("split", "num_elements")
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
+    NUM_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    split: _common_pb2.SplitKey
+    num_elements: int
+    def __init__(self, split: _Optional[_Union[_common_pb2.SplitKey, _Mapping]] = ..., num_elements: _Optional[int] = ...) -> None: ...
 
 class ReleaseIterationClientRequest(_message.Message):
     __slots__ = ("client_id",)
@@ -158,16 +168,18 @@ class GetSplitRequest(_message.Message):
     def __init__(self, iteration_id: _Optional[int] = ..., repetition: _Optional[int] = ..., task_id: _Optional[int] = ..., replica: _Optional[int] = ..., request_id: _Optional[int] = ..., has_finished_split: _Optional[bool] = ..., finished_split: _Optional[_Union[_common_pb2.SplitKey, _Mapping]] = ..., finished_split_elements: _Optional[int] = ...) -> None: ...
 
 class GetSplitResponse(_message.Message):
-    __slots__ = ("split_index", "end_of_splits", "skip", "skip_offsets")
+    __slots__ = ("split_index", "end_of_splits", "skip", "skip_offsets", "repetition")
     SPLIT_INDEX_FIELD_NUMBER: _ClassVar[int]
     END_OF_SPLITS_FIELD_NUMBER: _ClassVar[int]
     SKIP_FIELD_NUMBER: _ClassVar[int]
     SKIP_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_FIELD_NUMBER: _ClassVar[int]
     split_index: int
     end_of_splits: bool
     skip: int
     skip_offsets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, split_index: _Optional[int] = ..., end_of_splits: _Optional[bool] = ..., skip: _Optional[int] = ..., skip_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+    repetition: int
+    def __init__(self, split_index: _Optional[int] = ..., end_of_splits: _Optional[bool] = ..., skip: _Optional[int] = ..., skip_offsets: _Optional[_Iterable[int]] = ..., repetition: _Optional[int] = ...) -> None: ...
 
 class Update(_message.Message):
     __slots__ = ("register_dataset", "register_worker", "create_job", "create_iteration", "produce_split", "create_task", "finish_task", "acquire_client", "release_client", "garbage_collect_iteration", "remove_worker", "requeue_split", "snapshot", "record_delivered", "split_produced")

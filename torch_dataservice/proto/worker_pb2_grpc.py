@@ -39,6 +39,11 @@ class WorkerServiceStub:
                 request_serializer=torch__dataservice_dot_v1_dot_worker__pb2.GetElementsRequest.SerializeToString,
                 response_deserializer=torch__dataservice_dot_v1_dot_worker__pb2.ElementBatchHeader.FromString,
                 _registered_method=True)
+        self.StreamElements = channel.unary_stream(
+                '/torch_dataservice.v1.WorkerService/StreamElements',
+                request_serializer=torch__dataservice_dot_v1_dot_worker__pb2.GetElementsRequest.SerializeToString,
+                response_deserializer=torch__dataservice_dot_v1_dot_worker__pb2.ElementBatchHeader.FromString,
+                _registered_method=True)
         self.ProcessTask = channel.unary_unary(
                 '/torch_dataservice.v1.WorkerService/ProcessTask',
                 request_serializer=torch__dataservice_dot_v1_dot_worker__pb2.ProcessTaskRequest.SerializeToString,
@@ -59,6 +64,15 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamElements(self, request, context):
+        """The same frame, cut into raw chunks of about 1 MB, one per stream message (not protobuf
+        messages either): big payloads are sent, received and assembled chunk by chunk, in
+        parallel, instead of as one reply copied whole at each step. See wire/frame.py.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ProcessTask(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -70,6 +84,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetElements': grpc.unary_unary_rpc_method_handler(
                     servicer.GetElements,
+                    request_deserializer=torch__dataservice_dot_v1_dot_worker__pb2.GetElementsRequest.FromString,
+                    response_serializer=torch__dataservice_dot_v1_dot_worker__pb2.ElementBatchHeader.SerializeToString,
+            ),
+            'StreamElements': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamElements,
                     request_deserializer=torch__dataservice_dot_v1_dot_worker__pb2.GetElementsRequest.FromString,
                     response_serializer=torch__dataservice_dot_v1_dot_worker__pb2.ElementBatchHeader.SerializeToString,
             ),
@@ -104,6 +123,33 @@ class WorkerService:
             request,
             target,
             '/torch_dataservice.v1.WorkerService/GetElements',
+            torch__dataservice_dot_v1_dot_worker__pb2.GetElementsRequest.SerializeToString,
+            torch__dataservice_dot_v1_dot_worker__pb2.ElementBatchHeader.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamElements(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/torch_dataservice.v1.WorkerService/StreamElements',
             torch__dataservice_dot_v1_dot_worker__pb2.GetElementsRequest.SerializeToString,
             torch__dataservice_dot_v1_dot_worker__pb2.ElementBatchHeader.FromString,
             options,

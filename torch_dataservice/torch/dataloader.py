@@ -2,9 +2,14 @@
 
 Map-style datasets (the common case): every epoch the loader draws its index batches on the
 trainer exactly as torch would (`sampling.py`), numbers them, and registers the pipeline
-`from_items([(position, index_batch), ...]).with_split_size(1).map(FetchBatch(...))`: each
-index batch is one split, handed out by the dispatcher (DYNAMIC) to whichever worker process
-asks next, which runs `collate_fn([dataset[i] for i in index_batch])`. A small reorder buffer
+`from_items([(position, index_batch), ...]).with_split_size(1).map(SharedFetchBatch(ref))`:
+each index batch is one split, handed out by the dispatcher (DYNAMIC) to whichever worker
+process asks next, which runs `collate_fn([dataset[i] for i in index_batch])`. The dataset and
+collate_fn (a `FetchBatch`) are registered apart, as a shared object that `ref` names
+(worker/shared_objects.py): workers fetch and unpickle it once, not every epoch. It is pickled
+again each epoch to notice a dataset that changed (as torch's non-persistent workers would see
+it) and registered again only then; with `persistent_workers=True` it is pickled once, as
+torch's persistent workers keep their first copy. A small reorder buffer
 keyed by position restores torch's order (`in_order=True`); it stays small because splits are
 handed out in order, so only batches overtaken by a slower one wait.
 
@@ -39,6 +44,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import torch
 import torch.utils.data
 from torch.utils.data import IterableDataset
@@ -48,11 +54,14 @@ from torch_dataservice.client.api import (
     ShardingPolicy,
     from_dataset_id,
     register_dataset,
+    register_definition,
+    shared_object_def,
 )
 from torch_dataservice.pipeline import Pipeline
 from torch_dataservice.torch import embedded, sampling
 from torch_dataservice.torch.distributed import RankInfo, broadcast_token, rank_info, run_seed
-from torch_dataservice.torch.fetch import FetchBatch
+from torch_dataservice.torch.fetch import FetchBatch, SharedFetchBatch
+from torch_dataservice.worker.shared_objects import SharedObjectRef
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +92,8 @@ class DataLoader(torch.utils.data.DataLoader):
     - `compression`, `max_outstanding_requests`: as in `tds.distribute`.
 
     The dataset and `collate_fn` travel to the workers with cloudpickle (by value when they are
-    defined in the training script); each epoch registers them again, so keep a dataset light
-    (paths, lazily opened files), as torch's spawned workers need too.
+    defined in the training script), once, or again in an epoch where their pickle changed;
+    each executor process of a worker unpickles one copy, shared by its threads.
     """
 
     def __init__(
@@ -156,6 +165,8 @@ class DataLoader(torch.utils.data.DataLoader):
         self._tds_loader_number = next(_iterable_loaders) if self._tds_iterable else -1
         self._tds_token: str | None = None
         self._tds_passes = 0
+        # (service, fingerprint, dataset id) of the FetchBatch registered as a shared object.
+        self._tds_shared: tuple[str, str, str] | None = None
 
         # Epochs. Seeded: an epoch's draw is a function of (base seed, epoch), as with
         # DistributedSampler; otherwise the loader draws exactly as torch's, from the
@@ -268,17 +279,41 @@ class DataLoader(torch.utils.data.DataLoader):
                    and self._tds_job_name is None)
         if not items:
             return self._tds_iterator(lambda: iter(()), progress, None)
-        pipeline = (Pipeline.from_items(items).with_split_size(1)
-                    .map(FetchBatch(self.dataset, self._auto_collation, self.collate_fn)))
         service = self._tds_service_target()
         # Registered here, not on the reading thread, so that a dataset that cannot be pickled
         # fails in iter() as it would with torch's spawned workers.
-        dataset_id = register_dataset(service, pipeline, compression=self._tds_compression)
+        try:
+            dataset_id = self._tds_register_epoch(service, items)
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            # The dispatcher lost the shared object (restarted without a journal): again.
+            self._tds_shared = None
+            dataset_id = self._tds_register_epoch(service, items)
         job_name = self._tds_user_job(epoch)
         reader = from_dataset_id(self._tds_policy, service, dataset_id, job_name=job_name,
                                  max_outstanding_requests=self._tds_max_outstanding)
         return self._tds_iterator(lambda: iter(reader), progress, skip if ordered else None,
                               positioned=True)
+
+    def _tds_register_epoch(self, service: Any, items: list[tuple[int, Any]]) -> str:
+        fetch = SharedFetchBatch(self._tds_fetch_ref(service))
+        pipeline = Pipeline.from_items(items).with_split_size(1).map(fetch)
+        return register_dataset(service, pipeline, compression=self._tds_compression)
+
+    def _tds_fetch_ref(self, service: Any) -> SharedObjectRef:
+        """The dataset and collate_fn as a shared object: registered when first seen or when
+        their pickle changed (see the module docstring)."""
+        key = str(service)
+        cached = self._tds_shared
+        if cached is not None and cached[0] == key and self.persistent_workers:
+            return SharedObjectRef(cached[2])
+        definition = shared_object_def(
+            FetchBatch(self.dataset, self._auto_collation, self.collate_fn))
+        if cached is None or cached[:2] != (key, definition.fingerprint):
+            dataset_id = register_definition(service, definition)
+            cached = self._tds_shared = (key, definition.fingerprint, dataset_id)
+        return SharedObjectRef(cached[2])
 
     def _tds_iter_pipeline(self, epoch: int, skip: int) -> _LoaderIterator:
         dataset = self.dataset

@@ -13,6 +13,8 @@ from typing import Any
 
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
+from torch_dataservice.worker.shared_objects import SharedObjectRef
+
 
 class FetchBatch:
     """`(position, index_batch) -> (position, collate_fn([dataset[i] for i in index_batch]))`."""
@@ -37,3 +39,20 @@ class FetchBatch:
                 self.dataset, self.auto_collation, self.collate_fn, False)
         position, index = item
         return position, fetcher.fetch(index)
+
+
+class SharedFetchBatch:
+    """A `FetchBatch` registered once as a shared object, called through its reference.
+
+    An epoch's pipeline holds this instead of the FetchBatch itself, so the dataset travels and
+    is unpickled once per executor process, not once per epoch (worker/shared_objects.py).
+    """
+
+    def __init__(self, fetch: SharedObjectRef) -> None:
+        self.fetch = fetch
+
+    def __call__(self, item: tuple[int, Any]) -> tuple[int, Any]:
+        fetch = self.fetch
+        if isinstance(fetch, SharedObjectRef):
+            raise RuntimeError(f"{fetch!r} is only resolved in a worker's executor")
+        return fetch(item)

@@ -222,11 +222,14 @@ def _decompress_into(data: memoryview, out: memoryview) -> None:
         raise ValueError(f"corrupt element payload: decompressed {written}, expected {out.nbytes}")
 
 
-def decode(payload: memoryview | bytes | bytearray) -> Any:
+def decode(payload: Any, *, borrow: bool = False) -> Any:
     """Rebuild the element encoded in ``payload``.
 
     Tensors and arrays in the result are writable views of one fresh buffer owned by the
-    result, so ``payload`` may be reused or freed afterwards.
+    result, so ``payload`` may be reused or freed afterwards. With ``borrow=True`` the caller
+    gives ``payload``'s memory away (nobody else reads or writes it): if it is writable, 16-byte
+    aligned and not compressed, tensors and arrays become views of it instead of copies, and
+    the result keeps it alive.
     """
     payload = memoryview(payload).cast("B")
     segments, offset = _read_table(payload)
@@ -235,6 +238,15 @@ def decode(payload: memoryview | bytes | bytearray) -> Any:
     if len(segments) == 1 and not segments[0][2] & _FLAG_SNAPPY:
         # No buffers to place (tiny elements): unpickle in place, skip the arena.
         return pickle.loads(payload[offset : offset + segments[0][0]])
+    if (borrow and not payload.readonly
+            and not any(flags & _FLAG_SNAPPY for _, _, flags in segments)
+            and np.frombuffer(payload, dtype=np.uint8).ctypes.data % _ALIGN == 0):
+        # Zero-copy: every buffer is a view of the payload (aligned by the layout).
+        views = []
+        for stored_len, _, _ in segments:
+            views.append(payload[offset : offset + stored_len])
+            offset += stored_len + _padding(stored_len)
+        return pickle.loads(views[0], buffers=views[1:])
 
     # One arena for all out-of-band buffers, laid out at aligned offsets.
     arena_size = sum(raw + _padding(raw) for _, raw, _ in segments[1:])

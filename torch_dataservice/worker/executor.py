@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
+from torch_dataservice.worker import shm
 from torch_dataservice.worker.executor_process import ReplicaKey, executor_main, read_exactly
 
 logger = logging.getLogger(__name__)
@@ -76,14 +79,41 @@ class _Slot:
                 target=executor_main, args=(theirs,), name=f"tds-executor-{index}", daemon=True
             )
             self.thread.start()
+        # The same socket, for the file descriptors of shared-memory segments (worker/shm.py).
+        self.sock = socket.socket(fileno=os.dup(self.conn.fileno()))
+        self.segments = shm.SegmentMap(self._free_segment)
+        self._freed: deque[int] = deque()
+
+    def _free_segment(self, segment: int) -> None:
+        # Runs wherever the payload's last reference went, maybe under send_lock already (a
+        # garbage collection inside a send): never block on it; the next send flushes.
+        self._freed.append(segment)
+        if self.send_lock.acquire(blocking=False):
+            try:
+                self._flush_freed()
+            finally:
+                self.send_lock.release()
+
+    def _flush_freed(self) -> None:
+        while self._freed:
+            if not self.send_locked(("free_segment", self._freed.popleft())):
+                self._freed.clear()
+                return
 
     def send(self, message: tuple) -> bool:
         with self.send_lock:
-            try:
-                self.conn.send(message)
-                return True
-            except (OSError, ValueError, BrokenPipeError):
-                return False
+            ok = self.send_locked(message)
+            if self._freed:
+                self._flush_freed()
+            return ok
+
+    def send_locked(self, message: tuple) -> bool:
+        """`send`, for a caller that holds `send_lock`."""
+        try:
+            self.conn.send(message)
+            return True
+        except (OSError, ValueError, BrokenPipeError):
+            return False
 
 
 class ExecutorPool:
@@ -123,6 +153,11 @@ class ExecutorPool:
                 if kind == "elements":  # small ones, several per message
                     for key, split, offset, payload in message[1]:
                         listener.on_element(key, split, offset, payload)
+                elif kind == "segment":  # a big one in shared memory (worker/shm.py)
+                    _, key, split, offset, size, segment, capacity = message
+                    if capacity:  # a new segment: its fd follows
+                        slot.segments.add(segment, shm.recv_fd(slot.sock), capacity)
+                    listener.on_element(key, split, offset, slot.segments.payload(segment, size))
                 elif kind == "element":  # a big one: its payload follows as raw bytes
                     payload = read_exactly(conn.fileno(), message[4])
                     listener.on_element(message[1], message[2], message[3], payload)
@@ -152,13 +187,32 @@ class ExecutorPool:
 
     def start_replica(self, slot_index: int, key: ReplicaKey, dataset_id: str,
                       pipeline_bytes: Callable[[], bytes], rewrites: list[tuple[str, int, int]],
-                      compression: str | None, use_splits: bool, credits: int) -> bool:
+                      compression: str | None, use_splits: bool, credits: int,
+                      dependencies: Sequence[tuple[str, Callable[[], bytes]]] = ()) -> bool:
+        """Start a replica of `dataset_id`, first sending the executor the datasets it does not
+        have yet: `dependencies` (worker/shared_objects.py), then the pipeline itself."""
         slot = self._slot(slot_index)
-        if dataset_id not in slot.datasets:
-            if not slot.send(("dataset", dataset_id, pipeline_bytes())):
-                return False
-            slot.datasets.add(dataset_id)
-        return slot.send(("start", key, dataset_id, rewrites, compression, use_splits, credits))
+        # All under the slot's send lock: a release_dataset cannot fall between a dataset and
+        # the start that needs it.
+        with slot.send_lock:
+            for needed, get_bytes in (*dependencies, (dataset_id, pipeline_bytes)):
+                if needed not in slot.datasets:
+                    if not slot.send_locked(("dataset", needed, get_bytes())):
+                        return False
+                    slot.datasets.add(needed)
+            return slot.send_locked(
+                ("start", key, dataset_id, rewrites, compression, use_splits, credits))
+
+    def release_dataset(self, dataset_id: str) -> None:
+        """Executors drop `dataset_id` (its bytes and unpickled shared object); sent again if a
+        replica of it starts later."""
+        with self._lock:
+            slots = list(self._slots)
+        for slot in slots:
+            with slot.send_lock:
+                if dataset_id in slot.datasets:
+                    slot.datasets.discard(dataset_id)
+                    slot.send_locked(("release", dataset_id))
 
     def send(self, slot_index: int, message: tuple) -> None:
         self._slot(slot_index).send(message)
@@ -179,3 +233,5 @@ class ExecutorPool:
             elif slot.thread is not None:
                 slot.thread.join(timeout=5)
             slot.conn.close()
+            slot.sock.close()
+            slot.segments.close()

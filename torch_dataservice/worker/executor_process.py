@@ -6,13 +6,18 @@ CPU work that must not run in the front) and sends it, but only while it holds c
 front grants a credit for every element it hands to a client, so a slow consumer stops the
 pipeline instead of filling memory.
 
-Messages, front -> here:   ("dataset", dataset_id, pipeline_bytes)
+Messages, front -> here:   ("dataset", dataset_id, pipeline_bytes)  ("release", dataset_id)
                            ("start", key, dataset_id, rewrites, compression, use_splits, credits)
                            ("credit", key, n)
-                           ("split", key, request_id, index|None, skip offsets)
+                           ("split", key, request_id, index|None, skip offsets
+                            [, the split's own repetition (a requeued split may be older)])
                            ("stop", key)        ("shutdown",)
+                           ("free_segment", segment id)   (worker/shm.py)
 here -> front:             ("elements", [(key, split|None, offset, payload), ...]) small ones,
                            ("element", key, split|None, offset, size) then `size` raw bytes
+                           ("segment", key, split|None, offset, size, segment id, capacity)
+                               a big one in shared memory (worker/shm.py); capacity > 0: a
+                               new segment, whose fd follows (SCM_RIGHTS)
                            ("end", key)  ("error", key, type, message, traceback)
                            ("get_split", key, request_id, repetition, finished)
                                finished: (repetition, index, elements) of the split this
@@ -24,6 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import socket
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -36,6 +42,7 @@ import numpy as np
 from torch_dataservice.errors import describe_exception
 from torch_dataservice.pipeline import ExecutionContext, Pipeline, sharding
 from torch_dataservice.wire import codec
+from torch_dataservice.worker import shared_objects, shm
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +77,19 @@ class _Replica:
         self._bytes_in_flight = 0
         self._cond = threading.Condition()
         self._stopped = False
-        self._split_replies: dict[int, tuple[int | None, Any]] = {}
+        self._split_replies: dict[int, tuple[int | None, Any, int | None]] = {}
         self._request_ids = itertools.count()
         # Exactly-once DYNAMIC (see dispatcher/service.py): the split being read, how many
         # elements each split produced so far, and the offsets clients already received of a
         # split handed again after its worker died.
         self._holding: tuple[int, int] | None = None
+        # The (repetition, index) key of the split last handed to this replica, and how many
+        # were handed: `_run` tags elements with the key (the split's own repetition, which
+        # for a requeued split may be older than the pass reading it) and restarts offsets at
+        # each new split (the source's (repetition, index) may repeat: a requeued split and
+        # the same index of the current pass look alike to it).
+        self._split_key: tuple[int, int] | None = None
+        self._splits_taken = 0
         self._produced: dict[tuple[int, int], int] = {}
         self._skip: dict[tuple[int, int], frozenset[int]] = {}
         self.thread = threading.Thread(target=self._run, name=f"replica-{key}", daemon=True)
@@ -90,9 +104,10 @@ class _Replica:
                 self._bytes_in_flight -= self._in_flight.popleft()
             self._cond.notify_all()
 
-    def deliver_split(self, request_id: int, index: int | None, skip: Any) -> None:
+    def deliver_split(self, request_id: int, index: int | None, skip: Any,
+                      repetition: int | None = None) -> None:
         with self._cond:
-            self._split_replies[request_id] = (index, skip)
+            self._split_replies[request_id] = (index, skip, repetition)
             self._cond.notify_all()
 
     def stop(self) -> None:
@@ -115,9 +130,11 @@ class _Replica:
                 if self._stopped:
                     raise _Stopped
                 self._cond.wait(1.0)
-            index, skip = self._split_replies.pop(request_id)
+            index, skip, split_repetition = self._split_replies.pop(request_id)
         if index is not None:
-            self._holding = (repetition, index)
+            self._holding = (repetition if split_repetition is None else split_repetition, index)
+            self._split_key = self._holding
+            self._splits_taken += 1
             if skip and not isinstance(skip, int):
                 self._skip[self._holding] = frozenset(skip)
         return index
@@ -140,12 +157,14 @@ class _Replica:
             offset = 0
             elements: Iterator[Any] = self._pipeline.iterate(ctx)
             for element in elements:
-                split = ctx.current_split
+                # The source sets ctx.current_split right after get_split returns a split (on
+                # this thread), so the split taken last is the one it describes.
+                split = None if ctx.current_split is None else self._splits_taken
                 if split != last_split:
                     last_split, offset = split, 0
                 else:
                     offset += 1
-                wire_split = None if split is None else (split[1], split[2])
+                wire_split = None if split is None else self._split_key
                 if wire_split is not None:
                     self._produced[wire_split] = offset + 1
                     skip = self._skip.get(wire_split)
@@ -170,6 +189,9 @@ class ExecutorLoop:
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
         self._datasets: dict[str, bytes] = {}
+        # Shared objects (worker/shared_objects.py), unpickled at their first use; their bytes
+        # are dropped then. The front releases both when no task of the worker needs them.
+        self._objects: dict[str, Any] = {}
         self._replicas: dict[ReplicaKey, _Replica] = {}
         self._lock = threading.Lock()
         # One sender thread writes everything, in order: small elements queued while it was
@@ -179,6 +201,16 @@ class ExecutorLoop:
         # size, parts, written event); None stops the sender.
         self._outbox: deque[tuple | None] = deque()
         self._outbox_ready = threading.Condition()
+        # Big payloads go through shared memory when the connection is a Unix socket (it
+        # carries the segments' file descriptors).
+        self._sock: socket.socket | None = None
+        self._segments: shm.SegmentPool | None = None
+        try:
+            self._sock = socket.socket(fileno=os.dup(conn.fileno()))
+            if self._sock.family == socket.AF_UNIX:
+                self._segments = shm.SegmentPool()
+        except OSError:
+            pass
         self._sender = threading.Thread(target=self._send_loop, name="executor-send",
                                         daemon=True)
         self._sender.start()
@@ -194,6 +226,15 @@ class ExecutorLoop:
         if size <= INLINE_PAYLOAD_BYTES:
             self.send(("element", key, split, offset, b"".join(parts)))
             return
+        if self._segments is not None and size >= shm.SHM_PAYLOAD_BYTES:
+            # One copy into shared memory, and the replica is free: the front maps it.
+            acquired = self._segments.acquire(size)
+            if acquired is not None:
+                segment, mapping, fd = acquired
+                shm.copy_into(mapping, parts)
+                self.send(("segment", key, split, offset, size, segment,
+                           0 if fd is None else len(mapping), fd))
+                return
         if size <= COPY_PAYLOAD_BYTES:
             # One copy (about a millisecond) frees the replica to compute the next element
             # while the sender writes this one, instead of idling until the front has read it.
@@ -219,7 +260,8 @@ class ExecutorLoop:
                 done = True
             if done:
                 for message in messages:  # nobody waits forever for a big element
-                    if message is not None and len(message) == 7 and message[6] is not None:
+                    if message is not None and message[0] == "element" and len(message) == 7 \
+                            and message[6] is not None:
                         message[6].set()
                 return
 
@@ -234,7 +276,16 @@ class ExecutorLoop:
                 small = []
             if message is None:
                 return True
-            if message[0] == "element":  # a big payload: its header, then its parts raw
+            if message[0] == "segment":
+                fd = message[7]
+                try:
+                    self._conn.send(message[:7])
+                    if fd is not None:
+                        shm.send_fd(self._sock, fd)
+                finally:
+                    if fd is not None:
+                        os.close(fd)
+            elif message[0] == "element":  # a big payload: its header, then its parts raw
                 self._conn.send(message[:5])
                 # Raw writes of the encoded parts: no join here, no BytesIO on the other side.
                 for part in message[5]:
@@ -254,7 +305,8 @@ class ExecutorLoop:
     def _start(self, key: ReplicaKey, dataset_id: str, rewrites: list[tuple[str, int, int]],
                compression: str | None, use_splits: bool, credits: int) -> None:
         try:
-            pipeline = cloudpickle.loads(self._datasets[dataset_id])
+            with shared_objects.resolving(self._shared_object):
+                pipeline = cloudpickle.loads(self._datasets[dataset_id])
             pipeline = apply_rewrites(pipeline, rewrites)
         except BaseException as error:
             self.send(("error", key, *describe_exception(error)))
@@ -263,6 +315,16 @@ class ExecutorLoop:
         with self._lock:
             self._replicas[key] = replica
         replica.thread.start()
+
+    def _shared_object(self, dataset_id: str) -> Any:
+        found = self._objects.get(dataset_id)
+        if found is None:
+            data = self._datasets.get(dataset_id)
+            if data is None:
+                raise LookupError(f"shared object {dataset_id!r} was not sent to this executor")
+            found = self._objects[dataset_id] = cloudpickle.loads(data)
+            del self._datasets[dataset_id]
+        return found
 
     def run(self) -> None:
         while True:
@@ -275,8 +337,14 @@ class ExecutorLoop:
                 break
             if kind == "dataset":
                 self._datasets[message[1]] = message[2]
+            elif kind == "release":
+                self._datasets.pop(message[1], None)
+                self._objects.pop(message[1], None)
             elif kind == "start":
                 self._start(*message[1:])
+            elif kind == "free_segment":
+                if self._segments is not None:
+                    self._segments.release(message[1])
             else:
                 with self._lock:
                     replica = self._replicas.get(message[1])
@@ -285,7 +353,7 @@ class ExecutorLoop:
                 if kind == "credit":
                     replica.add_credits(message[2])
                 elif kind == "split":
-                    replica.deliver_split(message[2], message[3], message[4])
+                    replica.deliver_split(*message[2:])
                 elif kind == "stop":
                     replica.stop()
         with self._lock:
@@ -294,6 +362,10 @@ class ExecutorLoop:
             replica.stop()
         self.send(None)  # write what is queued, then stop the sender
         self._sender.join(timeout=5)
+        if self._segments is not None:
+            self._segments.close()
+        if self._sock is not None:
+            self._sock.close()
 
 
 def apply_rewrites(pipeline: Pipeline, rewrites: list[tuple[str, int, int]]) -> Pipeline:

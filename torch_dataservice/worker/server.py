@@ -71,7 +71,8 @@ class WorkerServer:
         if self._server is not None:
             return
         self._tasks = TaskManager(self._dataset, self._get_split, self._report_completed,
-                                  self._config.effective_num_processes)
+                                  self._config.effective_num_processes,
+                                  forget_dataset=self._forget_dataset)
         self._tasks.cross_trainer_cache_bytes = self._config.cross_trainer_cache_bytes
         self._tasks.start()  # spawn executors before gRPC starts its threads
         self._service = WorkerService(self._tasks, self._registered.is_set)
@@ -128,10 +129,14 @@ class WorkerServer:
             cached = self._dataset_cache[dataset_id] = response.dataset
         return cached
 
+    def _forget_dataset(self, dataset_id: str) -> None:
+        self._dataset_cache.pop(dataset_id, None)
+
     def _get_split(self, task: common_pb2.TaskDef, repetition: int, replica: int = 0,
                    request_id: int = -1, finished: tuple[int, int, int] | None = None
-                   ) -> tuple[int | None, tuple[int, ...]]:
-        """The next split for a replica of `task`, and the offsets of it to skip.
+                   ) -> tuple[int | None, tuple[int, ...], int]:
+        """The next split for a replica of `task`, the offsets of it to skip, and the split's
+        own repetition (older than `repetition` for a requeued split: see dispatcher/service.py).
 
         Retried until the dispatcher answers (it may be restarting, or ask us to wait for
         requeued splits); the request id makes a retry return the same split.
@@ -147,8 +152,9 @@ class WorkerServer:
                          description="GetSplit", deadline_s=self._deadline_s(),
                          stop=self._stopped)
         if response.end_of_splits:
-            return None, ()
-        return response.split_index, tuple(response.skip_offsets)
+            return None, (), repetition
+        split_repetition = response.repetition if response.HasField("repetition") else repetition
+        return response.split_index, tuple(response.skip_offsets), split_repetition
 
     def _report_completed(self, task_id: int) -> None:
         def report() -> None:

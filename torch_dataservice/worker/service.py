@@ -1,9 +1,10 @@
-"""The worker's gRPC handlers. GetElements replies with a raw frame (see wire/frame.py)."""
+"""The worker's gRPC handlers. GetElements replies with a raw frame, StreamElements streams the
+same frame in chunks (see wire/frame.py); readers use StreamElements."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import grpc
 
@@ -39,6 +40,17 @@ class WorkerService:
 
     def GetElements(self, request: worker_pb2.GetElementsRequest,
                     context: grpc.ServicerContext) -> bytes:
+        header, payloads = self._fetch_or_abort(request, context)
+        return frame.build_frame(header, [[payload] for payload in payloads])
+
+    def StreamElements(self, request: worker_pb2.GetElementsRequest,
+                       context: grpc.ServicerContext) -> Iterator[bytes]:
+        header, payloads = self._fetch_or_abort(request, context)
+        return frame.stream_frame(header, payloads)
+
+    def _fetch_or_abort(self, request: worker_pb2.GetElementsRequest,
+                        context: grpc.ServicerContext) -> tuple[
+                            worker_pb2.ElementBatchHeader, list]:
         if not self._is_registered():
             context.abort(grpc.StatusCode.UNAVAILABLE,
                           "worker has not registered with the dispatcher yet")
@@ -50,7 +62,7 @@ class WorkerService:
         except Exception as error:
             logger.exception("GetElements failed")
             context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
-        return frame.build_frame(header, [[payload] for payload in payloads])
+        return header, payloads
 
     def ProcessTask(self, request: worker_pb2.ProcessTaskRequest,
                     context: grpc.ServicerContext) -> worker_pb2.ProcessTaskResponse:
@@ -61,6 +73,11 @@ class WorkerService:
         handlers = {
             "GetElements": grpc.unary_unary_rpc_method_handler(
                 self.GetElements,
+                request_deserializer=worker_pb2.GetElementsRequest.FromString,
+                response_serializer=None,  # already bytes
+            ),
+            "StreamElements": grpc.unary_stream_rpc_method_handler(
+                self.StreamElements,
                 request_deserializer=worker_pb2.GetElementsRequest.FromString,
                 response_serializer=None,  # already bytes
             ),

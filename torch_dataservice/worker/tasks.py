@@ -8,6 +8,7 @@ out returns a credit to the replica that made it, which is the back-pressure.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -88,6 +89,8 @@ class Task:
     error: tuple[str, str, str] | None = None
     local_cursor: LocalSplitCursor | None = None
     started: bool = False
+    # The datasets its replicas were started from: its own and those it depends on.
+    datasets: list[str] = field(default_factory=list)
     completed: bool = False  # end_of_sequence handed to a client
     runner: RoundRobinRunner | CachingRunner | None = None  # see _runner
     cond: threading.Condition = field(default_factory=threading.Condition)
@@ -106,12 +109,16 @@ class TaskManager:
     def __init__(
         self,
         get_dataset: Callable[[str], common_pb2.DatasetDef],
-        # (task, repetition, replica, request id, finished split) -> (index, skip offsets)
+        # (task, repetition, replica, request id, finished split)
+        #   -> (index, skip offsets, the split's own repetition)
         get_split: Callable[..., tuple[int | None, Any]],
         report_completed: Callable[[int], None],
         num_executors: int,
+        # The front's cache of dataset definitions: drop one (see _release_unused).
+        forget_dataset: Callable[[str], None] = lambda dataset_id: None,
     ) -> None:
         self._get_dataset = get_dataset
+        self._forget_dataset = forget_dataset
         self._get_split = get_split
         self._report_completed = report_completed
         self._lock = threading.Lock()
@@ -152,6 +159,39 @@ class TaskManager:
             with task.cond:
                 task.buffer.clear()
                 task.cond.notify_all()
+            self._release_unused(task.datasets or [task.definition.dataset_id])
+
+    def _dependencies(self, dataset_id: str) -> list[str]:
+        """The datasets `dataset_id` refers to, recursively, each before what needs it."""
+        order: list[str] = []
+
+        def visit(needed: str, path: tuple[str, ...]) -> None:
+            if needed in path:
+                raise ValueError(f"datasets refer to each other in a cycle: {path + (needed,)}")
+            for dependency in self._get_dataset(needed).depends_on:
+                visit(dependency, path + (needed,))
+            if needed not in order:
+                order.append(needed)
+
+        visit(dataset_id, ())
+        return order[:-1]
+
+    def _release_unused(self, candidates: list[str]) -> None:
+        """Free the datasets among `candidates` that no task of this worker needs any more:
+        the front's definitions and the executors' bytes and shared objects.
+
+        Tasks stay here until their iteration is garbage-collected (job_gc_timeout_ms after
+        its last reader left), so a DataLoader's dataset, which every epoch's task refers to,
+        is not sent and unpickled again for each epoch.
+        """
+        with self._lock:
+            needed: set[str] = set()
+            for task in self._tasks.values():
+                needed.update(task.datasets or [task.definition.dataset_id])
+        for dataset_id in candidates:
+            if dataset_id not in needed:
+                self._executors.release_dataset(dataset_id)
+                self._forget_dataset(dataset_id)
 
     def _stop_replicas(self, task: Task) -> None:
         for index, slot in enumerate(task.replicas):
@@ -167,6 +207,8 @@ class TaskManager:
                 return
             definition = task.definition
             dataset = self._get_dataset(definition.dataset_id)
+            dependencies = self._dependencies(definition.dataset_id)
+            task.datasets = [*dependencies, definition.dataset_id]
             plans, local_splits = plan_replicas(definition, dataset, self._executors.size)
             if local_splits:
                 task.local_cursor = LocalSplitCursor(dataset.num_splits)
@@ -177,9 +219,13 @@ class TaskManager:
                 ok = self._executors.start_replica(
                     task.replicas[index], (task.task_id, index), definition.dataset_id,
                     lambda: dataset.pipeline, plan.rewrites, compression, plan.use_splits,
-                    CREDITS_PER_REPLICA)
+                    CREDITS_PER_REPLICA,
+                    [(d, functools.partial(self._pipeline_bytes, d)) for d in dependencies])
                 if not ok:
                     task.error = ("RuntimeError", "executor process unavailable", "")
+
+    def _pipeline_bytes(self, dataset_id: str) -> bytes:
+        return self._get_dataset(dataset_id).pipeline
 
     # ------------------------------------------------------------------ fetching
     def fetch(self, request: Any, wait_s: float) -> TakeResult:
@@ -307,15 +353,16 @@ class TaskManager:
 
         def fetch() -> None:
             try:
-                index, skip = self._get_split(task.definition, repetition, key[1], request_id,
-                                              finished)
+                index, skip, split_repetition = self._get_split(
+                    task.definition, repetition, key[1], request_id, finished)
             except ServiceUnavailableError as error:
                 self.on_error(key, "ServiceUnavailableError", str(error), "")
                 return
             except Exception as error:
                 self.on_error(key, type(error).__name__, f"GetSplit failed: {error}", "")
                 return
-            self._executors.send(slot, ("split", key, request_id, index, skip))
+            self._executors.send(slot, ("split", key, request_id, index, skip,
+                                        split_repetition))
 
         self._split_pool.submit(fetch)
 
