@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from torch_dataservice import auth
 from torch_dataservice.errors import NotReadyError, ServiceUnavailableError, is_retryable
 
 logger = logging.getLogger(__name__)
@@ -66,11 +67,13 @@ _channels_lock = threading.Lock()
 
 
 def channel_to(address: str) -> grpc.Channel:
-    """A shared insecure channel to `address` (one per address per process)."""
+    """A shared channel to `address` (one per address per process), carrying the fleet's
+    token when one is set (see auth.py)."""
     with _channels_lock:
         channel = _channels.get(address)
         if channel is None:
-            channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = auth.secure_channel(
+                grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
             _channels[address] = channel
         return channel
 

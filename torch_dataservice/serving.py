@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from torch_dataservice import auth
 from torch_dataservice.rpc import SERVER_OPTIONS
 
 logger = logging.getLogger(__name__)
@@ -18,9 +19,11 @@ def start_grpc_server(
     register: Callable[[grpc.Server], None], host: str, port: int, max_workers: int = 64
 ) -> tuple[grpc.Server, int]:
     """Start a gRPC server with `register(server)` adding the servicers; returns (server, port)."""
+    auth.check_bind(host)
     server = grpc.server(
         ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         options=SERVER_OPTIONS,
+        interceptors=auth.server_interceptors(),
     )
     register(server)
     bound = server.add_insecure_port(f"{host}:{port}")

@@ -9,6 +9,7 @@ import time
 
 import grpc
 
+from torch_dataservice import auth
 from torch_dataservice.config import WorkerConfig
 from torch_dataservice.errors import ServiceUnavailableError
 from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
@@ -70,6 +71,7 @@ class WorkerServer:
     def start(self) -> None:
         if self._server is not None:
             return
+        auth.check_bind(self._config.host)  # before any executor process is started
         self._tasks = TaskManager(self._dataset, self._get_split, self._report_completed,
                                   self._config.effective_num_processes,
                                   forget_dataset=self._forget_dataset)
