@@ -1,10 +1,10 @@
 """LOCAL against ANY reads of 16 MB elements, in the same run.
 
 Two placements of one worker, each read with target_workers="LOCAL" and "ANY":
-  (a) the worker runs in this process: LOCAL calls it directly (no gRPC, no frame), ANY goes
-      over gRPC on loopback like a remote trainer;
+  (a) the worker runs in this process: LOCAL calls it directly (no socket, no frame), ANY goes
+      over the worker's TCP data port on loopback like a remote trainer;
   (b) the worker runs in another process on this host (`python -m torch_dataservice worker`):
-      both go over gRPC on loopback (no shared-memory path yet).
+      LOCAL reads its data port's Unix socket, ANY its TCP port (worker/data_port.py).
 Every reading is timed from its `--warmup`-th element on; MB = 10**6 bytes.
 
     python benchmarks/local_reads.py            # ~1 minute

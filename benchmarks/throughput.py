@@ -1,9 +1,11 @@
 """Throughput of the data path, each figure beside a baseline measured in the same run.
 
 One worker and one consumer on loopback. The dispatcher and the worker run as subprocesses
-(`python -m torch_dataservice ...`), so elements really travel executor -> worker front -> gRPC
--> this process (an in-process reader would skip gRPC). Machines are shared and noisy, so
-every figure is a ratio against a baseline measured in the same run:
+(`python -m torch_dataservice ...`), so elements really travel executor -> worker front -> the
+worker's data port -> this process: through its Unix socket by default (same host), over TCP
+with `--target-workers ANY`, as a remote trainer would (an in-process reader would skip both).
+Machines are shared and noisy, so every figure is a ratio against a baseline measured in the
+same run:
 
   (a) tiny elements/s (`Pipeline.range(N)`)       vs  bare gRPC unary round trips/s
   (b) MB/s of 1 MB and 16 MB uint8 tensors,
@@ -44,6 +46,7 @@ if ROOT not in sys.path:  # run as a script from a checkout without installing
 
 MB = 10**6
 MAP_MS = 5.0  # target cost of one element of the CPU-bound map
+TARGET_WORKERS = "AUTO"  # --target-workers
 
 
 @dataclass
@@ -338,6 +341,7 @@ def service_reader(address: str, pipeline, compression: str | None) -> Iterator:
     import torch_dataservice as tds
 
     return iter(pipeline.apply(tds.distribute("parallel_epochs", f"grpc://{address}",
+                                              target_workers=TARGET_WORKERS,
                                               compression=compression)))
 
 
@@ -409,7 +413,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="executor processes of the worker for (a) and (b) (default 1)")
     parser.add_argument("--only", choices=("a", "b", "c"), action="append",
                         help="run only these sections (repeatable)")
+    parser.add_argument("--target-workers", choices=("AUTO", "ANY"), default="AUTO",
+                        help="AUTO reads the worker through its Unix socket (same host), ANY "
+                             "over TCP like a remote trainer (default AUTO)")
     args = parser.parse_args(argv)
+    global TARGET_WORKERS
+    TARGET_WORKERS = args.target_workers
     settings = QUICK if args.quick else FULL
     rounds = args.rounds or settings.rounds
     sections = set(args.only or ("a", "b", "c"))
@@ -525,6 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"torch {torch.__version__}, {os.cpu_count()} cores, load average "
           f"{os.getloadavg()[0]:.1f}, {'quick' if args.quick else 'full'} mode, {rounds} rounds, "
+          f"target_workers={TARGET_WORKERS}, "
           f"{time.perf_counter() - began:.0f} s")
     header = f"{'figure':<22} {'value':>17}  {'baseline':<33} {'ratio':>7} {'target':>7}  ok"
     print(header)

@@ -55,10 +55,20 @@ def test_local_reads_from_an_in_process_worker_skip_grpc(
     assert not worker_addresses & set(grpc_calls), grpc_calls
 
 
-def test_any_reads_go_over_grpc(cluster: Cluster, grpc_calls: list[str]) -> None:
+def test_any_reads_go_over_the_network(cluster: Cluster, grpc_calls: list[str],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # The network path is the workers' data ports over TCP (gRPC without them).
+    targets: list[tuple] = []
+    real = reader_module.DataPortPool.fetch
+
+    def recording(self, target, request):
+        targets.append(target)
+        return real(self, target, request)
+
+    monkeypatch.setattr(reader_module.DataPortPool, "fetch", recording)
     assert sorted(read(cluster, "ANY")) == sorted(list(range(10)) * 2)
-    worker_addresses = {w.address for w in cluster.workers}
-    assert worker_addresses <= set(grpc_calls), grpc_calls
+    assert {("tcp", "127.0.0.1", w._data_port.port) for w in cluster.workers} == set(targets)
+    assert not {w.address for w in cluster.workers} & set(grpc_calls), grpc_calls
 
 
 def test_auto_reads_every_worker_in_process(cluster: Cluster, grpc_calls: list[str]) -> None:

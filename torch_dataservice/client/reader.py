@@ -15,14 +15,18 @@ that round to all of them), and the iteration ends when no task is left.
 
 target_workers: "LOCAL" reads only workers on this host; "AUTO" means LOCAL under static
 sharding (FILE, DATA, FILE_OR_DATA, HINT) and every worker otherwise; "ANY" reads every worker.
-A worker in this process is read without gRPC (a direct call) unless target_workers is "ANY",
-which always takes the network path, as a remote trainer would.
+How a worker is read, best first: a worker in this process by a direct call; a worker on this
+host through its data port's Unix socket; any other through its data port over TCP
+(worker/data_port.py, client/data_port.py); a worker without a data port over gRPC
+(StreamElements). "ANY" skips the first two and takes the network path, as a remote trainer
+would.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -32,6 +36,7 @@ from typing import Any
 
 import grpc
 
+from torch_dataservice.client.data_port import DataPortError, DataPortPool
 from torch_dataservice.errors import RemoteError, is_retryable
 from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc, worker_pb2
 from torch_dataservice.rpc import channel_to, retry, rpc_error_to_exception
@@ -172,6 +177,7 @@ class IterationReader:
         self._current: _Batch | None = None
         self._fatal: BaseException | None = None
         self._closed = threading.Event()
+        self._data_ports = DataPortPool()
         # Exactly-once DYNAMIC (dispatcher/service.py): the offsets received of every split
         # (compacted, see _SplitReceived), to drop an element handed again, and those not yet
         # reported to the dispatcher.
@@ -310,6 +316,7 @@ class IterationReader:
             request.round_index = round_index
             request.max_elements = 1
         address = state.info.worker_address
+        target = None
         try:
             service = local.lookup(address) if (
                 state.info.process_id == local.process_id()
@@ -319,6 +326,10 @@ class IterationReader:
                 # Big payloads are the worker's shared-memory segments, handed to us alone
                 # unless a cross-trainer cache serves the same payload to every trainer.
                 borrow = not self._trainer_id
+            elif (target := self._data_target(state.info)) is not None:
+                # Each big payload arrives in a buffer of its own: the tensors' memory.
+                header, payloads = self._data_ports.fetch(target, request)
+                borrow = True
             else:
                 # Streamed in chunks and assembled into one buffer per big payload, which
                 # decode then uses as the tensors' memory (wire/frame.py).
@@ -344,6 +355,17 @@ class IterationReader:
         except LookupError:
             state.retry_at = time.monotonic() + UNKNOWN_TASK_BACKOFF_S
             return None
+        except (OSError, EOFError):
+            if target is None:
+                raise  # from an in-process worker: not a connection problem
+            # Unreachable, reset, timed out or not ready: like a retryable gRPC error.
+            state.failures += 1
+            state.retry_at = time.monotonic() + min(UNREACHABLE_BACKOFF_S * state.failures, 2.0)
+            return None
+        except DataPortError as error:
+            with self._lock:
+                self._fatal = RuntimeError(f"reading from worker {address}: {error}")
+            return None
         state.failures = 0
         batch = _Batch(deque(self._keep_new(header, payloads)), borrow=borrow)
         if header.has_error:
@@ -352,6 +374,17 @@ class IterationReader:
         if header.end_of_sequence and not payloads:
             state.ended = True
         return batch
+
+    def _data_target(self, info: common_pb2.TaskInfo) -> tuple | None:
+        """Where to reach `info`'s worker's data port, or None (gRPC): its Unix socket if it
+        runs on this host (unless target_workers is "ANY"), else its TCP port."""
+        if (info.data_socket and info.host_id == local.HOST_ID
+                and self._target_workers != "ANY" and os.path.exists(info.data_socket)):
+            return ("unix", info.data_socket)
+        if info.data_port:
+            host = info.worker_address.rsplit(":", 1)[0].strip("[]")
+            return ("tcp", host, info.data_port)
+        return None
 
     def _keep_new(self, header: worker_pb2.ElementBatchHeader,
                   payloads: list) -> list:
@@ -495,6 +528,7 @@ class IterationReader:
         if self._closed.is_set():
             return
         self._closed.set()
+        self._data_ports.close()
         try:
             self._dispatcher.ReleaseIterationClient(
                 dispatcher_pb2.ReleaseIterationClientRequest(client_id=self.client_id),

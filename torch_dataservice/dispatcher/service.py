@@ -318,6 +318,8 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                     info.worker_index = worker.index
                     info.host_id = worker.host_id
                     info.process_id = worker.process_id
+                    info.data_port = worker.data_port
+                    info.data_socket = worker.data_socket
                 response.tasks.append(info)
             return response
 
@@ -409,7 +411,8 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                 index = self._worker_index(address)
                 self._apply(Update(register_worker=dispatcher_pb2.RegisterWorker(
                     worker_address=address, worker_uid=request.worker_uid, worker_index=index,
-                    host_id=request.host_id, process_id=request.process_id)))
+                    host_id=request.host_id, process_id=request.process_id,
+                    data_port=request.data_port, data_socket=request.data_socket)))
                 logger.info("worker %s registered (index %d)", address, index)
                 for iteration in list(self._state.active_iterations()):
                     if iteration.task_ids and self._coordinated(iteration):

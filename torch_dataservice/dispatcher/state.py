@@ -39,6 +39,8 @@ class Worker:
     host_id: str
     process_id: str
     task_ids: set[int] = field(default_factory=set)  # unfinished tasks assigned to it
+    data_port: int = 0  # its data port (worker/data_port.py), 0 without one
+    data_socket: str = ""
 
 
 @dataclass
@@ -125,7 +127,8 @@ class DispatcherState:
         if u.worker_address in self.workers:
             raise InvalidTransition(f"worker {u.worker_address} is already registered")
         self.workers[u.worker_address] = Worker(
-            u.worker_address, u.worker_uid, u.worker_index, u.host_id, u.process_id
+            u.worker_address, u.worker_uid, u.worker_index, u.host_id, u.process_id,
+            data_port=u.data_port, data_socket=u.data_socket,
         )
 
     def _apply_remove_worker(self, u: dispatcher_pb2.RemoveWorker) -> None:

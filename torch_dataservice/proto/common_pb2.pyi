@@ -75,7 +75,7 @@ class TaskDef(_message.Message):
     def __init__(self, task_id: _Optional[int] = ..., iteration_id: _Optional[int] = ..., job_id: _Optional[int] = ..., dataset_id: _Optional[str] = ..., sharding_policy: _Optional[int] = ..., num_workers: _Optional[int] = ..., worker_index: _Optional[int] = ..., num_consumers: _Optional[int] = ..., cross_trainer_cache: _Optional[bool] = ..., compression: _Optional[str] = ..., num_splits: _Optional[int] = ...) -> None: ...
 
 class TaskInfo(_message.Message):
-    __slots__ = ("task_id", "worker_address", "worker_uid", "worker_index", "starting_round", "host_id", "process_id")
+    __slots__ = ("task_id", "worker_address", "worker_uid", "worker_index", "starting_round", "host_id", "process_id", "data_port", "data_socket")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WORKER_UID_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,8 @@ class TaskInfo(_message.Message):
     STARTING_ROUND_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    DATA_SOCKET_FIELD_NUMBER: _ClassVar[int]
     task_id: int
     worker_address: str
     worker_uid: int
@@ -90,7 +92,9 @@ class TaskInfo(_message.Message):
     starting_round: int
     host_id: str
     process_id: str
-    def __init__(self, task_id: _Optional[int] = ..., worker_address: _Optional[str] = ..., worker_uid: _Optional[int] = ..., worker_index: _Optional[int] = ..., starting_round: _Optional[int] = ..., host_id: _Optional[str] = ..., process_id: _Optional[str] = ...) -> None: ...
+    data_port: int
+    data_socket: str
+    def __init__(self, task_id: _Optional[int] = ..., worker_address: _Optional[str] = ..., worker_uid: _Optional[int] = ..., worker_index: _Optional[int] = ..., starting_round: _Optional[int] = ..., host_id: _Optional[str] = ..., process_id: _Optional[str] = ..., data_port: _Optional[int] = ..., data_socket: _Optional[str] = ...) -> None: ...
 
 class RemoteError(_message.Message):
     __slots__ = ("type", "message", "traceback")

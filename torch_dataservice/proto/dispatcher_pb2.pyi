@@ -112,18 +112,22 @@ class ReleaseIterationClientResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerHeartbeatRequest(_message.Message):
-    __slots__ = ("worker_address", "worker_uid", "current_tasks", "host_id", "process_id")
+    __slots__ = ("worker_address", "worker_uid", "current_tasks", "host_id", "process_id", "data_port", "data_socket")
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WORKER_UID_FIELD_NUMBER: _ClassVar[int]
     CURRENT_TASKS_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    DATA_SOCKET_FIELD_NUMBER: _ClassVar[int]
     worker_address: str
     worker_uid: int
     current_tasks: _containers.RepeatedScalarFieldContainer[int]
     host_id: str
     process_id: str
-    def __init__(self, worker_address: _Optional[str] = ..., worker_uid: _Optional[int] = ..., current_tasks: _Optional[_Iterable[int]] = ..., host_id: _Optional[str] = ..., process_id: _Optional[str] = ...) -> None: ...
+    data_port: int
+    data_socket: str
+    def __init__(self, worker_address: _Optional[str] = ..., worker_uid: _Optional[int] = ..., current_tasks: _Optional[_Iterable[int]] = ..., host_id: _Optional[str] = ..., process_id: _Optional[str] = ..., data_port: _Optional[int] = ..., data_socket: _Optional[str] = ...) -> None: ...
 
 class WorkerHeartbeatResponse(_message.Message):
     __slots__ = ("new_tasks", "tasks_to_delete", "worker_index")
@@ -224,18 +228,22 @@ class RegisterDataset(_message.Message):
     def __init__(self, dataset_id: _Optional[str] = ..., dataset: _Optional[_Union[_common_pb2.DatasetDef, _Mapping]] = ...) -> None: ...
 
 class RegisterWorker(_message.Message):
-    __slots__ = ("worker_address", "worker_uid", "worker_index", "host_id", "process_id")
+    __slots__ = ("worker_address", "worker_uid", "worker_index", "host_id", "process_id", "data_port", "data_socket")
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WORKER_UID_FIELD_NUMBER: _ClassVar[int]
     WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    DATA_SOCKET_FIELD_NUMBER: _ClassVar[int]
     worker_address: str
     worker_uid: int
     worker_index: int
     host_id: str
     process_id: str
-    def __init__(self, worker_address: _Optional[str] = ..., worker_uid: _Optional[int] = ..., worker_index: _Optional[int] = ..., host_id: _Optional[str] = ..., process_id: _Optional[str] = ...) -> None: ...
+    data_port: int
+    data_socket: str
+    def __init__(self, worker_address: _Optional[str] = ..., worker_uid: _Optional[int] = ..., worker_index: _Optional[int] = ..., host_id: _Optional[str] = ..., process_id: _Optional[str] = ..., data_port: _Optional[int] = ..., data_socket: _Optional[str] = ...) -> None: ...
 
 class CreateJob(_message.Message):
     __slots__ = ("job_id", "config")

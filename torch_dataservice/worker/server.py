@@ -1,4 +1,5 @@
-"""WorkerServer: executor processes, a gRPC front, and a heartbeat to the dispatcher."""
+"""WorkerServer: executor processes, a gRPC front, a data port, and a heartbeat to the
+dispatcher."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_g
 from torch_dataservice.rpc import channel_to, retry
 from torch_dataservice.serving import BackgroundLoop, start_grpc_server
 from torch_dataservice.worker import local
+from torch_dataservice.worker.data_port import DataPort
 from torch_dataservice.worker.service import WorkerService
 from torch_dataservice.worker.tasks import TaskManager
 
@@ -46,6 +48,7 @@ class WorkerServer:
         self.refused: str | None = None
         self._tasks: TaskManager | None = None
         self._heartbeat: BackgroundLoop | None = None
+        self._data_port: DataPort | None = None
         self._dataset_cache: dict[str, common_pb2.DatasetDef] = {}
         self._dispatcher = dispatcher_pb2_grpc.DispatcherServiceStub(
             channel_to(config.dispatcher_address))
@@ -82,6 +85,10 @@ class WorkerServer:
             self._service.register, self._config.host, self._config.port)
         self._address = self._config.worker_address or f"{self._config.host}:{self._port}"
         local.register(self._address, self._service)
+        # Elements also travel over a plain socket: gRPC caps big payloads (worker/data_port.py).
+        self._data_port = DataPort(self._service.fetch, self._registered.is_set,
+                                   self._config.host)
+        self._data_port.start()
         self._heartbeat = BackgroundLoop(
             "worker-heartbeat", self._config.effective_heartbeat_interval_ms / 1000,
             self._send_heartbeat)
@@ -105,6 +112,9 @@ class WorkerServer:
             worker_address=self._address, worker_uid=self._uid,
             current_tasks=self._tasks.task_ids(), host_id=local.HOST_ID,
             process_id=local.process_id())
+        data_port = self._data_port
+        if data_port is not None:
+            request.data_port, request.data_socket = data_port.port, data_port.socket_path
         try:
             response = self._dispatcher.WorkerHeartbeat(request, timeout=5)
         except grpc.RpcError as error:
@@ -179,6 +189,9 @@ class WorkerServer:
         if self._heartbeat is not None:
             self._heartbeat.stop()
         self._server.stop(grace=0.5).wait(5)
+        if self._data_port is not None:
+            self._data_port.stop()
+            self._data_port = None
         if self._tasks is not None:
             self._tasks.close()
         self._server = None

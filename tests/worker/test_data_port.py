@@ -1,0 +1,194 @@
+"""The worker's data port on its own: frames, statuses, tokens and shutdown (no dispatcher)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+from torch_dataservice import auth
+from torch_dataservice.client import data_port as client
+from torch_dataservice.proto import worker_pb2
+from torch_dataservice.wire import codec
+from torch_dataservice.worker.data_port import HELLO, DataPort
+
+HOST = "127.0.0.1"
+CHUNK = 1 << 20  # wire/frame.py's STREAM_CHUNK_BYTES: boundaries that broke streams before
+
+
+def payload(size: int, seed: int) -> bytes:
+    return (bytes(range(seed % 5, seed % 5 + 251)) * (size // 251 + 1))[:size]
+
+
+class FakeWorker:
+    """A fetch function serving the payloads queued for each task id."""
+
+    def __init__(self) -> None:
+        self.replies: dict[int, list] = {}
+        self.ready = True
+
+    def fetch(self, request: worker_pb2.GetElementsRequest):
+        if request.task_id == 404:
+            raise LookupError(request.task_id)
+        if request.task_id == 500:
+            raise ZeroDivisionError("boom")
+        payloads = self.replies.get(request.task_id, [])
+        header = worker_pb2.ElementBatchHeader(end_of_sequence=not payloads)
+        for offset in range(len(payloads)):
+            header.elements.add(offset=offset)
+        return header, list(payloads)
+
+
+@pytest.fixture
+def worker():
+    fake = FakeWorker()
+    port = DataPort(fake.fetch, lambda: fake.ready, HOST)
+    port.start()
+    fake.port = port
+    yield fake
+    port.stop()
+
+
+def targets(port: DataPort) -> list[tuple]:
+    return [("tcp", HOST, port.port), ("unix", port.socket_path)]
+
+
+def request(task_id: int) -> worker_pb2.GetElementsRequest:
+    return worker_pb2.GetElementsRequest(task_id=task_id, max_elements=100)
+
+
+@pytest.mark.parametrize("kind", ["tcp", "unix"])
+def test_frames_of_every_size_arrive_intact(worker: FakeWorker, kind: str) -> None:
+    sizes = [0, 1, client.OWN_BUFFER_BYTES - 1, client.OWN_BUFFER_BYTES, CHUNK - 7, CHUNK,
+             CHUNK + 1, 0, 20 * 2**20, 3]
+    sent = [payload(size, i) for i, size in enumerate(sizes)]
+    # Payloads as the front holds them: bytes, and arrays over shared-memory segments.
+    worker.replies[1] = [np.frombuffer(p, np.uint8) if i % 2 else p for i, p in enumerate(sent)]
+    target = next(t for t in targets(worker.port) if t[0] == kind)
+    connection = client.Connection(target)
+    try:
+        for _ in range(2):  # the connection serves request after request
+            header, payloads = connection.fetch(request(1))
+            assert [info.size for info in header.elements] == sizes
+            assert [bytes(p) for p in payloads] == sent
+            for p, size in zip(payloads, sizes, strict=True):
+                if size >= client.OWN_BUFFER_BYTES:  # a buffer of its own, for decode to borrow
+                    view = memoryview(p)
+                    assert not view.readonly
+                    assert np.frombuffer(view, np.uint8).ctypes.data % 16 == 0
+        header, payloads = connection.fetch(request(2))
+        assert header.end_of_sequence and payloads == []
+    finally:
+        connection.close()
+
+
+def test_many_small_payloads_cross_the_receive_buffer(worker: FakeWorker) -> None:
+    sent = [payload(1000 + i, i) for i in range(600)]  # ~900 KB: several receive buffers
+    worker.replies[1] = sent
+    connection = client.Connection(("tcp", HOST, worker.port.port))
+    try:
+        for _ in range(3):
+            _, payloads = connection.fetch(request(1))
+            assert payloads == sent
+    finally:
+        connection.close()
+
+
+def test_decoded_tensors_borrow_the_received_buffer(worker: FakeWorker) -> None:
+    tensor = torch.arange(5 << 20, dtype=torch.int32)
+    parts = codec.encode({"t": tensor, "label": 3})
+    worker.replies[1] = [b"".join(bytes(p) for p in parts)]
+    pool = client.DataPortPool()
+    try:
+        _, payloads = pool.fetch(("unix", worker.port.socket_path), request(1))
+        buffer = np.frombuffer(payloads[0], np.uint8)
+        element = codec.decode(payloads[0], borrow=True)
+        assert torch.equal(element["t"], tensor) and element["label"] == 3
+        start = buffer.ctypes.data
+        assert start <= element["t"].data_ptr() < start + buffer.nbytes  # no copy
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("kind", ["tcp", "unix"])
+def test_statuses_map_to_exceptions_and_keep_the_connection(worker: FakeWorker,
+                                                            kind: str) -> None:
+    worker.replies[1] = [b"x" * 10]
+    pool = client.DataPortPool()
+    target = next(t for t in targets(worker.port) if t[0] == kind)
+    try:
+        with pytest.raises(LookupError):
+            pool.fetch(target, request(404))
+        with pytest.raises(client.DataPortError, match="ZeroDivisionError: boom"):
+            pool.fetch(target, request(500))
+        worker.ready = False
+        with pytest.raises(ConnectionError, match="not registered"):
+            pool.fetch(target, request(1))
+        worker.ready = True
+        assert pool.fetch(target, request(1))[1] == [b"x" * 10]
+        assert len(pool._idle[target]) == 1  # one connection, reused throughout
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("client_token", [None, "wrong"])
+def test_a_wrong_or_missing_token_is_refused(monkeypatch: pytest.MonkeyPatch,
+                                             client_token: str | None) -> None:
+    monkeypatch.setenv(auth.TOKEN_ENV, "s3cret")
+    fake = FakeWorker()
+    fake.replies[1] = [b"data"]
+    port = DataPort(fake.fetch, lambda: True, HOST)
+    port.start()
+    try:
+        for target in targets(port):
+            assert client.Connection(target).fetch(request(1))[1] == [b"data"]
+        if client_token is None:
+            monkeypatch.delenv(auth.TOKEN_ENV)
+        else:
+            monkeypatch.setenv(auth.TOKEN_ENV, client_token)
+        for target in targets(port):
+            with pytest.raises(client.DataPortError, match="refused"):
+                client.Connection(target)
+    finally:
+        port.stop()
+
+
+def test_a_token_is_not_needed_by_a_worker_without_one(worker: FakeWorker,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(auth.TOKEN_ENV, "anything")
+    worker.replies[1] = [b"data"]
+    assert client.Connection(("tcp", HOST, worker.port.port)).fetch(request(1))[1] == [b"data"]
+
+
+def test_garbage_is_disconnected(worker: FakeWorker) -> None:
+    with socket.create_connection((HOST, worker.port.port), timeout=5) as sock:
+        sock.sendall(HELLO.pack(b"HTTP", 1, 0))
+        assert sock.recv(1) == b""  # closed, nothing answered
+
+
+def test_stop_closes_connections_and_removes_the_socket_file() -> None:
+    fake = FakeWorker()
+    fake.replies[1] = [b"data"]
+    port = DataPort(fake.fetch, lambda: True, HOST)
+    port.start()
+    path = port.socket_path
+    assert os.path.exists(path)
+    connection = client.Connection(("unix", path))
+    assert connection.fetch(request(1))[1] == [b"data"]
+    port.stop()
+    assert not os.path.exists(path) and not os.path.exists(os.path.dirname(path))
+    with pytest.raises((OSError, EOFError)):
+        connection.fetch(request(1))
+    connection.close()
+    with pytest.raises(OSError):
+        client.Connection(("tcp", HOST, port.port))
+
+
+def test_a_non_loopback_host_needs_a_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
+    monkeypatch.delenv(auth.ALLOW_UNAUTHENTICATED_ENV, raising=False)
+    with pytest.raises(ValueError, match="refusing to serve"):
+        DataPort(FakeWorker().fetch, lambda: True, "0.0.0.0").start()

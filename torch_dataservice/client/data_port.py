@@ -1,0 +1,188 @@
+"""The reader's side of the workers' data ports (protocol: worker/data_port.py).
+
+A `DataPortPool` keeps connections per worker target, each used by one fetch at a time. A reply's
+header and small payloads come through one receive buffer; every big payload is received
+straight into a buffer of its own (`np.empty` + `recv_into`: writable, 16-byte aligned), which
+`codec.decode(..., borrow=True)` turns into the tensors' memory without another copy.
+
+Errors: `OSError` (refused connection, reset, timeout) and `EOFError` mean the worker is
+unreachable, like a retryable gRPC error; `LookupError` means the worker does not know the task
+yet; `DataPortError` is a refusal (token) or a failure on the worker, which a retry would not
+mend.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Any
+
+import numpy as np
+
+from torch_dataservice import auth
+from torch_dataservice.proto import worker_pb2
+from torch_dataservice.worker.data_port import (
+    ACCEPTED,
+    HELLO,
+    LENGTH,
+    MAGIC,
+    OK,
+    STATUS_LENGTH,
+    UNAVAILABLE,
+    UNKNOWN_TASK,
+    VERSION,
+)
+
+CONNECT_TIMEOUT_S = 5.0
+# The worker long-polls for 0.5 s before an empty reply: a reply this late means it hangs.
+RECV_TIMEOUT_S = 30.0
+# Payloads from this size on get a buffer of their own; smaller ones are copied out as bytes.
+OWN_BUFFER_BYTES = 64 << 10
+_RECV_BUFFER = 256 << 10
+
+Target = tuple  # ("unix", path) or ("tcp", host, port)
+
+
+class DataPortError(RuntimeError):
+    """The worker refused the connection (token) or failed to answer a request."""
+
+
+class WorkerUnavailableError(ConnectionError):
+    """The worker answered UNAVAILABLE (e.g. not registered yet): retry later."""
+
+
+class Connection:
+    """One authenticated connection to a worker's data port."""
+
+    def __init__(self, target: Target, timeout_s: float = RECV_TIMEOUT_S) -> None:
+        if target[0] == "unix":
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(CONNECT_TIMEOUT_S)
+                sock.connect(target[1])
+            except BaseException:
+                sock.close()
+                raise
+        else:
+            sock = socket.create_connection((target[1], target[2]), timeout=CONNECT_TIMEOUT_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = sock
+        where = ":".join(str(part) for part in target[1:])
+        try:
+            token = (auth.token() or "").encode()
+            sock.sendall(HELLO.pack(MAGIC, VERSION, len(token)) + token)
+            answer = sock.recv(1)
+            if not answer:  # e.g. the worker is stopping: retry, as for any lost connection
+                raise EOFError(f"worker data port {where} closed the connection during "
+                               "the handshake")
+            if answer != ACCEPTED:
+                raise DataPortError(
+                    f"worker data port {where} refused the connection: missing or wrong "
+                    f"{auth.TOKEN_ENV} token")
+            sock.settimeout(timeout_s)
+        except BaseException:
+            sock.close()
+            raise
+        self._buffer = bytearray(_RECV_BUFFER)
+        self._view = memoryview(self._buffer)
+        self._start = self._end = 0  # buffered, not yet consumed bytes
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def fetch(self, request: worker_pb2.GetElementsRequest
+              ) -> tuple[worker_pb2.ElementBatchHeader, list[Any]]:
+        data = request.SerializeToString()
+        self._sock.sendall(LENGTH.pack(len(data)) + data)
+        status, length = STATUS_LENGTH.unpack(self._read(STATUS_LENGTH.size))
+        if status != OK:
+            message = bytes(self._read(length)).decode(errors="replace")
+            if status == UNKNOWN_TASK:
+                raise LookupError(message)
+            if status == UNAVAILABLE:
+                raise WorkerUnavailableError(message)
+            raise DataPortError(message)
+        header = worker_pb2.ElementBatchHeader.FromString(bytes(self._read(length)))
+        payloads: list[Any] = []
+        for info in header.elements:
+            if info.size < OWN_BUFFER_BYTES:
+                payloads.append(bytes(self._read(info.size)))
+            else:
+                buffer = np.empty(info.size, dtype=np.uint8)
+                self._read_into(memoryview(buffer))
+                payloads.append(memoryview(buffer))
+        return header, payloads
+
+    def _read(self, size: int) -> memoryview:
+        """The next `size` bytes, as a view valid until the next read."""
+        if self._end - self._start < size:
+            if size > len(self._buffer):
+                self._buffer = bytearray(size)
+                self._buffer[: self._end - self._start] = self._view[self._start:self._end]
+                self._view = memoryview(self._buffer)
+                self._end -= self._start
+                self._start = 0
+            elif len(self._buffer) - self._start < size:  # no room behind: move to the front
+                self._view[: self._end - self._start] = self._view[self._start:self._end]
+                self._end -= self._start
+                self._start = 0
+            while self._end - self._start < size:
+                n = self._sock.recv_into(self._view[self._end:])
+                if n == 0:
+                    raise EOFError("the worker closed the data connection mid-reply")
+                self._end += n
+        view = self._view[self._start:self._start + size]
+        self._start += size
+        return view
+
+    def _read_into(self, target: memoryview) -> None:
+        filled = min(self._end - self._start, target.nbytes)
+        target[:filled] = self._view[self._start:self._start + filled]
+        self._start += filled
+        while filled < target.nbytes:
+            n = self._sock.recv_into(target[filled:])
+            if n == 0:
+                raise EOFError("the worker closed the data connection mid-reply")
+            filled += n
+
+
+class DataPortPool:
+    """Idle connections per target; a fetch takes one (or opens one) and gives it back."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: dict[Target, list[Connection]] = {}
+        self._closed = False
+
+    def fetch(self, target: Target, request: worker_pb2.GetElementsRequest
+              ) -> tuple[worker_pb2.ElementBatchHeader, list[Any]]:
+        with self._lock:
+            idle = self._idle.get(target)
+            connection = idle.pop() if idle else None
+        if connection is None:
+            connection = Connection(target)
+        try:
+            result = connection.fetch(request)
+        except (LookupError, WorkerUnavailableError):
+            self._give_back(target, connection)  # a complete reply: the connection is fine
+            raise
+        except BaseException:
+            connection.close()  # maybe mid-reply: unusable
+            raise
+        self._give_back(target, connection)
+        return result
+
+    def _give_back(self, target: Target, connection: Connection) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle.setdefault(target, []).append(connection)
+                return
+        connection.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, {}
+        for connections in idle.values():
+            for connection in connections:
+                connection.close()

@@ -1,0 +1,253 @@
+"""The worker's data port: GetElements over a plain socket, without gRPC.
+
+gRPC's Python stack caps big replies far below what a socket moves (each 16 MB reply is copied
+several times and cut into HTTP/2 frames under the GIL), so, like tf.data service's
+``data_transfer_protocol``, a worker also serves elements on a socket of its own: a TCP listener
+on its host (an ephemeral port), and a Unix domain socket in a private temporary directory for
+readers on the same host. The dispatcher tells clients both (``TaskInfo.data_port`` and
+``data_socket``); a client falls back to gRPC ``StreamElements`` for a worker without them.
+
+Protocol (integers little-endian), one request at a time per connection::
+
+    client: b"TDSP" | uint8 version (1) | uint16 token length | token (UTF-8, may be empty)
+    worker: b"\\x01" (accepted), or b"\\x00" and it closes: wrong or missing token
+    then, as often as the client likes:
+    client: uint32 length | GetElementsRequest
+    worker: uint8 status, then
+        OK (0):                    the GetElements frame (wire/frame.py):
+                                   uint32 header length | ElementBatchHeader | payload 0 | ...
+        UNAVAILABLE (1),
+        UNKNOWN_TASK (2),
+        INTERNAL (3):              uint32 length | UTF-8 message
+
+The statuses mean what the gRPC codes of ``WorkerService`` mean (UNKNOWN_TASK is UNAVAILABLE for
+a task the worker does not know yet). The worker writes each payload straight from its buffer
+(a shared-memory segment or bytes) with ``sendmsg``, never joining them; the client reads each
+big payload into a buffer of its own that becomes the decoded tensors' memory (client/data_port.py).
+
+Trust: with ``TORCH_DATASERVICE_TOKEN`` set, a connection must present it first (compared in
+constant time), as every gRPC call must (auth.py); the port binds the worker's host, which
+``auth.check_bind`` has vetted. The token travels in clear, as over plain gRPC.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import shutil
+import socket
+import struct
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch_dataservice import auth
+from torch_dataservice.proto import worker_pb2
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"TDSP"
+VERSION = 1
+HELLO = struct.Struct("<4sBH")  # magic, version, token length
+ACCEPTED, REFUSED = b"\x01", b"\x00"
+OK, UNAVAILABLE, UNKNOWN_TASK, INTERNAL = range(4)
+LENGTH = struct.Struct("<I")
+STATUS_LENGTH = struct.Struct("<BI")
+MAX_REQUEST_BYTES = 1 << 20
+
+HANDSHAKE_TIMEOUT_S = 10.0
+STOP_GRACE_S = 0.5  # replies under way when the worker stops may finish (as gRPC's grace)
+SEND_TIMEOUT_S = 60.0  # a reader that stops reading mid-reply loses its connection
+_IOV_MAX = 512  # buffers per sendmsg (Linux allows 1024)
+
+
+def recv_exactly(sock: socket.socket, size: int) -> bytes:
+    """`size` bytes from `sock`; EOFError if it closes first."""
+    data = bytearray(size)
+    view = memoryview(data)
+    filled = 0
+    while filled < size:
+        n = sock.recv_into(view[filled:])
+        if n == 0:
+            raise EOFError(f"connection closed after {filled} of {size} bytes")
+        filled += n
+    return bytes(data)
+
+
+def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
+    """Send `buffers` back to back without joining them (scatter-gather `sendmsg`)."""
+    views = [view for view in (memoryview(b).cast("B") for b in buffers) if view.nbytes]
+    first = 0
+    while first < len(views):
+        sent = sock.sendmsg(views[first:first + _IOV_MAX])
+        while sent:
+            view = views[first]
+            if sent >= view.nbytes:
+                sent -= view.nbytes
+                first += 1
+            else:
+                views[first] = view[sent:]
+                sent = 0
+
+
+def _listen_tcp(host: str) -> socket.socket:
+    name = host.strip("[]")
+    family, kind, proto, _, address = socket.getaddrinfo(
+        name, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(64)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
+class DataPort:
+    """The listeners and connections of one worker's data port (see the module docstring).
+
+    `fetch(request) -> (header, payloads)` answers a GetElementsRequest (WorkerService.fetch);
+    `ready()` is False until the worker registered (UNAVAILABLE meanwhile, as over gRPC).
+    """
+
+    def __init__(self, fetch: Callable[[worker_pb2.GetElementsRequest], tuple[Any, list]],
+                 ready: Callable[[], bool], host: str) -> None:
+        self._fetch = fetch
+        self._ready = ready
+        self._host = host
+        self._token = (auth.token() or "").encode()
+        self._lock = threading.Condition()
+        self._listeners: list[socket.socket] = []
+        self._connections: set[socket.socket] = set()
+        self._threads: list[threading.Thread] = []
+        self._dir = ""
+        self._stopped = False
+        self.port = 0
+        self.socket_path = ""
+
+    def start(self) -> None:
+        auth.check_bind(self._host)
+        tcp = _listen_tcp(self._host)
+        self.port = tcp.getsockname()[1]
+        self._listeners.append(tcp)
+        self._dir = tempfile.mkdtemp(prefix="tds-worker-")  # mode 0700: ours alone
+        self.socket_path = os.path.join(self._dir, "data.sock")
+        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        unix.bind(self.socket_path)
+        unix.listen(64)
+        self._listeners.append(unix)
+        for listener in self._listeners:
+            thread = threading.Thread(target=self._accept_loop, args=(listener,),
+                                      name="data-port-accept", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        """Stop listening, let replies under way finish for `STOP_GRACE_S`, then cut the rest."""
+        with self._lock:
+            self._stopped = True
+            connections = list(self._connections)
+        for listener in self._listeners:
+            _shutdown(listener, socket.SHUT_RDWR)  # wakes its accept()
+            listener.close()
+        for conn in connections:
+            _shutdown(conn, socket.SHUT_RD)  # an idle one sees the end; a busy one still sends
+        with self._lock:
+            self._lock.wait_for(lambda: not self._connections, STOP_GRACE_S)
+            connections = list(self._connections)
+        for conn in connections:
+            _shutdown(conn, socket.SHUT_RDWR)
+        for thread in self._threads:
+            thread.join(2)
+        self._listeners.clear()
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = ""
+
+    def _accept_loop(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return  # closed by stop()
+            with self._lock:
+                if self._stopped:
+                    conn.close()
+                    return
+                self._connections.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="data-port-conn",
+                             daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            if conn.family != socket.AF_UNIX:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(HANDSHAKE_TIMEOUT_S)
+            if not self._handshake(conn):
+                return
+            while True:
+                conn.settimeout(None)  # idle between requests; stop() shuts it down
+                try:
+                    head = conn.recv(LENGTH.size, socket.MSG_WAITALL)
+                except OSError:
+                    return
+                if len(head) < LENGTH.size:
+                    return  # the client closed the connection
+                (size,) = LENGTH.unpack(head)
+                if size > MAX_REQUEST_BYTES:
+                    return
+                conn.settimeout(SEND_TIMEOUT_S)
+                request = worker_pb2.GetElementsRequest.FromString(recv_exactly(conn, size))
+                self._answer(conn, request)
+        except Exception as error:  # a broken or misbehaving client: drop its connection
+            logger.debug("data port connection closed: %s", error)
+        finally:
+            with self._lock:
+                self._connections.discard(conn)
+                self._lock.notify_all()
+            conn.close()
+
+    def _handshake(self, conn: socket.socket) -> bool:
+        magic, version, length = HELLO.unpack(recv_exactly(conn, HELLO.size))
+        if magic != MAGIC or version != VERSION:
+            return False
+        given = recv_exactly(conn, length)
+        if self._token and not hmac.compare_digest(given, self._token):
+            logger.warning("data port: refused a connection with a missing or wrong token")
+            conn.sendall(REFUSED)
+            return False
+        conn.sendall(ACCEPTED)
+        return True
+
+    def _answer(self, conn: socket.socket, request: worker_pb2.GetElementsRequest) -> None:
+        if not self._ready():
+            return _send_status(conn, UNAVAILABLE,
+                                "worker has not registered with the dispatcher yet")
+        try:
+            header, payloads = self._fetch(request)
+        except LookupError:
+            return _send_status(conn, UNKNOWN_TASK, f"task {request.task_id} is not known here yet")
+        except Exception as error:
+            logger.exception("GetElements failed")
+            return _send_status(conn, INTERNAL, f"{type(error).__name__}: {error}")
+        for info, payload in zip(header.elements, payloads, strict=True):
+            info.size = memoryview(payload).nbytes
+        header_bytes = header.SerializeToString()
+        head = STATUS_LENGTH.pack(OK, len(header_bytes)) + header_bytes
+        send_buffers(conn, [head, *payloads])
+
+
+def _shutdown(sock: socket.socket, how: int) -> None:
+    try:
+        sock.shutdown(how)
+    except OSError:
+        pass
+
+
+def _send_status(conn: socket.socket, status: int, message: str) -> None:
+    data = message.encode()
+    conn.sendall(STATUS_LENGTH.pack(status, len(data)) + data)
