@@ -24,12 +24,14 @@ would.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import os
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -199,6 +201,7 @@ class IterationReader:
                 for i in range(self._max_outstanding)
             ]
         self._heartbeat()
+        _readers.add(self)
         for thread in self._threads:
             thread.start()
 
@@ -525,6 +528,8 @@ class IterationReader:
                     raise StopIteration
 
     def close(self) -> None:
+        """Release the iteration; this reader's threads end on their own within about a second
+        (fetches are long polls), and at interpreter exit `_close_readers` waits for them."""
         if self._closed.is_set():
             return
         self._closed.set()
@@ -536,8 +541,35 @@ class IterationReader:
         except grpc.RpcError:
             pass  # the dispatcher collects silent clients itself
 
+    def join(self, deadline: float) -> None:
+        """Wait until `deadline` (time.monotonic) for this reader's threads to end."""
+        for thread in self._threads:
+            if thread is not threading.current_thread() and thread.is_alive():
+                thread.join(max(0.0, deadline - time.monotonic()))
+
     def __del__(self) -> None:
         try:
             self.close()
         except Exception:
             pass
+
+
+EXIT_JOIN_S = 5.0
+# Every reader whose threads may still run. At exit they are closed and their threads joined
+# before the interpreter finalizes: a thread still inside a gRPC or socket call then can abort
+# the process ("terminate called without an active exception"), e.g. after a training loop
+# broke out of an epoch.
+_readers: weakref.WeakSet[IterationReader] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_readers() -> None:
+    readers = list(_readers)
+    for reader in readers:
+        try:
+            reader.close()
+        except Exception:  # exiting anyway: never turn a clean exit into a failure
+            pass
+    deadline = time.monotonic() + EXIT_JOIN_S
+    for reader in readers:
+        reader.join(deadline)
