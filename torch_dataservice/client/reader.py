@@ -302,12 +302,17 @@ class IterationReader:
             finally:
                 with self._lock:
                     state.in_use = False
-                    self._in_flight -= 1
-                    if batch is not None and (batch.payloads or batch.error):
-                        self._results.put(batch)
-                    else:
-                        self._slots.release()
-                    self._lock.notify_all()
+                self._settle(batch)
+
+    def _settle(self, batch: _Batch | None) -> None:
+        """A fetch ended: queue what it brought, or give its slot back if it brought nothing."""
+        with self._lock:
+            self._in_flight -= 1
+            if batch is not None and (batch.payloads or batch.error):
+                self._results.put(batch)
+            else:
+                self._slots.release()
+            self._lock.notify_all()
 
     def _fetch(self, state: _TaskState, round_index: int | None = None) -> _Batch | None:
         request = worker_pb2.GetElementsRequest(
@@ -434,13 +439,7 @@ class IterationReader:
             try:
                 batch = self._fetch_round(state, round_index)
             finally:
-                with self._lock:
-                    self._in_flight -= 1
-                    if batch is not None and (batch.payloads or batch.error):
-                        self._results.put(batch)
-                    else:
-                        self._slots.release()
-                    self._lock.notify_all()
+                self._settle(batch)
             if batch is None:
                 return  # closed or failed (self._fatal is set)
             if batch.error is not None:

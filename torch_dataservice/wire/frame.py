@@ -56,16 +56,7 @@ def parse_frame(
 ) -> tuple[worker_pb2.ElementBatchHeader, list[memoryview]]:
     """Split a reply into its header and one zero-copy view of ``frame`` per element payload."""
     view = memoryview(frame).cast("B")
-    if view.nbytes < _LENGTH.size:
-        raise ValueError(f"element frame too short: {view.nbytes} bytes")
-    (header_len,) = _LENGTH.unpack_from(view, 0)
-    offset = _LENGTH.size + header_len
-    if offset > view.nbytes:
-        raise ValueError(
-            f"element frame truncated: header of {header_len} bytes in a {view.nbytes} byte frame"
-        )
-    header = worker_pb2.ElementBatchHeader()
-    header.ParseFromString(view[_LENGTH.size : offset])
+    header, offset = _parse_header(view)
     payloads = []
     for index, info in enumerate(header.elements):
         end = offset + info.size
