@@ -103,3 +103,13 @@ def test_worker_defaults_and_overrides() -> None:
 def test_cross_trainer_cache_bytes_must_be_positive() -> None:
     with pytest.raises(ValueError, match="cross_trainer_cache_bytes"):
         tds.WorkerConfig("localhost:5000", cross_trainer_cache_bytes=0)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, "4", None])
+def test_split_prefetch_must_be_a_non_negative_int(value: object) -> None:
+    with pytest.raises(ValueError, match=f"split_prefetch must be an int >= 0, got {value!r}"):
+        tds.WorkerConfig("localhost:5000", split_prefetch=value)  # type: ignore[arg-type]
+
+
+def test_split_prefetch_zero_is_allowed() -> None:
+    assert tds.WorkerConfig("localhost:5000", split_prefetch=0).split_prefetch == 0

@@ -54,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="how often to heartbeat the dispatcher (default: 500)")
     w.add_argument("--cross-trainer-cache-bytes", type=int, default=1 << 30,
                    help="bytes of the cross-trainer cache window per job (default: 1 GiB)")
+    w.add_argument("--split-prefetch", type=int, default=4,
+                   help="DYNAMIC splits each task keeps asked for ahead of need (default: 4)")
     return parser
 
 
@@ -93,7 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             dispatcher_address=args.dispatcher, port=args.port, host=args.host,
             worker_address=args.worker_address, num_processes=args.processes,
             heartbeat_interval_ms=args.heartbeat_interval_ms,
-            cross_trainer_cache_bytes=args.cross_trainer_cache_bytes))
+            cross_trainer_cache_bytes=args.cross_trainer_cache_bytes,
+            split_prefetch=args.split_prefetch))
         print(f"worker serving at {worker.address}", flush=True)
         _serve(worker, stop)
         if worker.refused is not None:

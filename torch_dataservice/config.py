@@ -89,6 +89,9 @@ class WorkerConfig:
     num_processes: int | None = None
     host: str = "localhost"
     cross_trainer_cache_bytes: int = field(default=1 << 30)
+    # DYNAMIC splits each task keeps in stock ahead of need (worker/split_feed.py);
+    # 0 asks only when a process needs one.
+    split_prefetch: int = 4
 
     def __post_init__(self) -> None:
         if not isinstance(self.dispatcher_address, str) or not self.dispatcher_address:
@@ -107,6 +110,8 @@ class WorkerConfig:
             not isinstance(self.num_processes, int) or self.num_processes < 0
         ):
             raise ValueError(f"num_processes must be an int >= 0, got {self.num_processes!r}")
+        if not isinstance(self.split_prefetch, int) or self.split_prefetch < 0:
+            raise ValueError(f"split_prefetch must be an int >= 0, got {self.split_prefetch!r}")
         cache_bytes = self.cross_trainer_cache_bytes
         if not isinstance(cache_bytes, int) or cache_bytes <= 0:
             raise ValueError(

@@ -26,8 +26,12 @@ def start_grpc_server(
         interceptors=auth.server_interceptors(),
     )
     register(server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # newer grpcio raises where older ones returned 0
+        bound = 0
     if bound == 0:
+        server.stop(None)
         raise OSError(f"could not bind {host}:{port} (in use or not a local address?)")
     server.start()
     return server, bound

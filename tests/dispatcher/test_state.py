@@ -294,6 +294,23 @@ def test_get_split_follows_the_cursor_semantics() -> None:
     service.close()
 
 
+def test_get_split_hands_several_splits_in_order_and_a_retry_gets_them_again() -> None:
+    service = _service()  # 3 splits per repetition
+    request = dispatcher_pb2.GetSplitRequest(iteration_id=2000, repetition=0, task_id=4000,
+                                             replica=9, request_id=1, max_splits=2)
+    first = service.GetSplit(request, None)
+    assert [first.split_index] + [f.split_index for f in first.following] == [0, 1]
+    assert not first.end_of_splits
+    assert service.GetSplit(request, None) == first  # a retried request: the same splits
+    assert service.state.tasks[4000].splits == {(0, 0), (0, 1)}
+    request.request_id, request.max_splits = 2, 5
+    rest = service.GetSplit(request, None)  # only one left: no end mixed in
+    assert (rest.split_index, len(rest.following), rest.end_of_splits) == (2, 0, False)
+    request.request_id = 3
+    assert service.GetSplit(request, None).end_of_splits
+    service.close()
+
+
 def test_get_split_prefers_requeued_splits_and_reports_the_skip() -> None:
     service = _service()
     _get_split(service, 0)

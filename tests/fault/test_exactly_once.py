@@ -60,9 +60,8 @@ def get_split(service: DispatcherService, iteration_id: int, task_id: int,
               finished: tuple[int, int, int] | None = None) -> pb.GetSplitResponse:
     request = pb.GetSplitRequest(iteration_id=iteration_id, task_id=task_id)
     if finished is not None:
-        request.has_finished_split = True
-        request.finished_split.repetition, request.finished_split.index = finished[:2]
-        request.finished_split_elements = finished[2]
+        reported = request.finished_splits.add(elements=finished[2])
+        reported.split.repetition, reported.split.index = finished[:2]
     return service.GetSplit(request, None)
 
 

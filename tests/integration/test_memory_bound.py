@@ -17,7 +17,7 @@ import torch_dataservice as tds
 
 MB = 1 << 20
 ELEMENT_MB = 16
-NUM_ELEMENTS = 32          # 512 MB through the consumer
+NUM_ELEMENTS = 128         # 2 GB through the consumer (the figure)
 MAX_OUTSTANDING = 2
 CONSTANT_MB = 128          # decoding copies, gRPC buffers, allocator slack
 
@@ -68,7 +68,7 @@ class PeakSampler:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
 def test_a_slow_consumer_keeps_client_and_worker_memory_bounded(process_cluster) -> None:
     process_cluster.start_dispatcher()
     worker = process_cluster.start_worker(processes=1)
@@ -91,7 +91,7 @@ def test_a_slow_consumer_keeps_client_and_worker_memory_bounded(process_cluster)
             del element
             if count == NUM_ELEMENTS // 2:
                 sampler.halfway()
-            time.sleep(0.05)  # a slow consumer
+            time.sleep(0.03)  # a slow consumer
     assert count == NUM_ELEMENTS
     peaks = [max(a, b) for a, b in zip(sampler.first_half, sampler.peaks, strict=True)]
     client_growth = (peaks[0] - client_base) / MB
@@ -101,8 +101,9 @@ def test_a_slow_consumer_keeps_client_and_worker_memory_bounded(process_cluster)
     # Each fetch in flight costs its reply frame, and the element being consumed its decoded
     # copy: (max_outstanding_requests + 1) elements, twice, plus a constant (allocator slack).
     assert client_growth < 2 * (MAX_OUTSTANDING + 1) * ELEMENT_MB + CONSTANT_MB
-    # The worker holds what its credits allow, never the stream.
-    assert worker_growth < NUM_ELEMENTS * ELEMENT_MB * 3 / 4
+    # The worker holds what its credits allow (64 MB in flight per replica, counted in both
+    # processes that map the shared memory), never the stream.
+    assert worker_growth < NUM_ELEMENTS * ELEMENT_MB / 4
     # Flat: reading the second half needs no more memory than the first.
     for first, second in zip(sampler.first_half, sampler.peaks, strict=True):
         assert second < first + 2 * ELEMENT_MB * MB

@@ -63,6 +63,10 @@ def test_epochs_of_a_big_dataset_do_not_grow_worker_memory(cluster_factory) -> N
     # Every epoch's task is collected, and with it what the worker kept of the datasets.
     wait_until(lambda: not worker._tasks.task_ids(), 10, "tasks collected")  # noqa: SLF001
     assert worker._dataset_cache == {}  # noqa: SLF001
+    # And the dispatcher forgets each epoch's index batches (ephemeral datasets).
+    wait_until(lambda: not [d for d in list(state.datasets.values())
+                            if d.definition.ephemeral], 10, "epoch datasets dropped")
+    assert list(state.datasets) == [shared[0].dataset_id]
 
 
 def test_the_dispatcher_checks_references_between_datasets() -> None:

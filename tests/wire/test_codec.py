@@ -272,3 +272,32 @@ def test_rebuild_tolerates_read_only_buffer() -> None:
     out = codec._rebuild_tensor(b"\x00\x00\x80\x3f", "float32", (1,), False)
     out += 1
     assert out.item() == 2.0
+
+
+class _Sample:
+    def __init__(self, image: torch.Tensor, label: int) -> None:
+        self.image, self.label = image, label
+
+
+@pytest.mark.parametrize("element", [
+    7,
+    "a" * 5000,
+    b"x" * 100_000,
+    torch.zeros(1 << 20, dtype=torch.float32),
+    torch.zeros(64, 64)[:, :8],  # a view: only its own bytes are encoded
+    np.zeros((300, 300), dtype=np.int16),
+    {"image": torch.ones(3, 64, 64), "label": 3, "path": "a/b.jpg"},
+    [Point(torch.zeros(1000), np.ones(1000)) for _ in range(20)],
+    _Sample(torch.zeros(50_000, dtype=torch.uint8), 1),
+], ids=lambda e: type(e).__name__)
+def test_estimate_size_is_close_to_the_encoded_size(element: Any) -> None:
+    """Elements kept as objects (worker/local.py) are counted by the estimate instead."""
+    encoded = payload_size(encode(element))
+    estimate = codec.estimate_size(element)
+    assert encoded / 2 - 512 <= estimate <= encoded * 2 + 512, (estimate, encoded)
+
+
+def test_estimate_size_survives_cycles() -> None:
+    cycle: list[Any] = [torch.zeros(1000, dtype=torch.uint8)]
+    cycle.append(cycle)
+    assert 1000 <= codec.estimate_size(cycle) < 2000

@@ -192,3 +192,26 @@ def test_a_non_loopback_host_needs_a_token(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.delenv(auth.ALLOW_UNAUTHENTICATED_ENV, raising=False)
     with pytest.raises(ValueError, match="refusing to serve"):
         DataPort(FakeWorker().fetch, lambda: True, "0.0.0.0").start()
+
+
+def test_socket_directories_of_dead_workers_are_removed_at_start() -> None:
+    import subprocess
+    import sys
+    import tempfile
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    root = tempfile.gettempdir()
+    stale = tempfile.mkdtemp(prefix=f"tds-worker-{dead.pid}-", dir=root)
+    alive = tempfile.mkdtemp(prefix=f"tds-worker-{os.getpid()}-", dir=root)
+    port = DataPort(FakeWorker().fetch, lambda: True, HOST)
+    port.start()
+    try:
+        assert not os.path.exists(stale), "a dead worker's socket directory stayed"
+        assert os.path.isdir(alive), "a live process's directory was removed"
+        assert os.path.basename(os.path.dirname(port.socket_path)).startswith(
+            f"tds-worker-{os.getpid()}-")
+    finally:
+        port.stop()
+        os.rmdir(alive)
+    assert not os.path.exists(os.path.dirname(port.socket_path))

@@ -11,7 +11,10 @@ round r, r+1, ... in order from task `tasks[r % len(tasks)]`, where `tasks` is t
 task set sorted by id, fixed when the reader starts (the dispatcher adds no task to a
 coordinated iteration once it has some, so every consumer sees the same set). A task at its end
 leaves the set at the same round for every consumer (its worker answers end_of_sequence for
-that round to all of them), and the iteration ends when no task is left.
+that round to all of them), and the iteration ends when no task is left. A task whose worker
+was lost leaves at a round the dispatcher picks once every consumer is stopped on lost tasks
+(dispatcher/service.py `_note_blocked`); rounds before it that fall on the lost task are
+skipped.
 
 target_workers: "LOCAL" reads only workers on this host; "AUTO" means LOCAL under static
 sharding (FILE, DATA, FILE_OR_DATA, HINT) and every worker otherwise; "ANY" reads every worker.
@@ -19,7 +22,9 @@ How a worker is read, best first: a worker in this process by a direct call; a w
 host through its data port's Unix socket; any other through its data port over TCP
 (worker/data_port.py, client/data_port.py); a worker without a data port over gRPC
 (StreamElements). "ANY" skips the first two and takes the network path, as a remote trainer
-would.
+would. A worker in this process that runs its pipelines on threads (`num_processes=0`) hands
+its elements over as the objects its pipeline produced, not encoded (worker/local.py): the
+consumer shares them with the pipeline, as with torch's DataLoader and `num_workers=0`.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_g
 from torch_dataservice.rpc import channel_to, retry, rpc_error_to_exception
 from torch_dataservice.wire import codec, frame
 from torch_dataservice.worker import local
+from torch_dataservice.worker.local import LocalElement
 from torch_dataservice.worker.service import SERVICE_NAME
 
 STATIC_POLICIES = (2, 3, 4, 5)  # FILE, DATA, FILE_OR_DATA, HINT
@@ -121,6 +127,24 @@ class _Batch:
     borrow: bool = False  # payloads are ours alone: decode may build tensors over them
 
 
+# _fetch_round's answer when the task's worker was lost (coordinated reads).
+_LOST = _Batch()
+
+
+def task_groups(infos: list[common_pb2.TaskInfo], target_workers: str) -> list[list[int]]:
+    """Task ids in the order fetch threads should prefer them: under "AUTO", workers in this
+    process, then on this host, then the rest (a free local task is read before a remote
+    one; remote ones are still read); otherwise one group. Each group is sorted by id."""
+    if target_workers != "AUTO":
+        return [sorted(info.task_id for info in infos)]
+    groups: list[list[int]] = [[], [], []]
+    for info in infos:
+        rank = (0 if info.process_id == local.process_id()
+                else 1 if info.host_id == local.HOST_ID else 2)
+        groups[rank].append(info.task_id)
+    return [sorted(group) for group in groups if group]
+
+
 class IterationReader:
     """Iterator over one iteration of a job. Close it (or exhaust it) to release the worker."""
 
@@ -148,6 +172,11 @@ class IterationReader:
         self._consumer_index = consumer_index
         self._coordinated_tasks: list[int] | None = None  # fixed task set, sorted by id
         self._coordinated_finished = False
+        # Coordinated reads losing workers: tasks the dispatcher says are lost, its removal
+        # decisions (round, task ids) in order, and the round this consumer is stopped at.
+        self._lost_tasks: set[int] = set()
+        self._removals: list[tuple[int, frozenset[int]]] = []
+        self._blocked_round: int | None = None
         self._skipped_tasks = False  # some tasks are not read here (LOCAL)
         self._trainer_id = trainer_id
         self._connect_timeout_s = connect_timeout_s
@@ -170,7 +199,7 @@ class IterationReader:
         self._max_outstanding = max_outstanding_requests or DEFAULT_MAX_OUTSTANDING
         self._lock = threading.Condition()
         self._tasks: dict[int, _TaskState] = {}
-        self._task_order: list[int] = []
+        self._task_order: list[list[int]] = []  # task ids to read, best group first
         self._next_task = itertools.count()
         self._iteration_finished = False
         self._in_flight = 0
@@ -210,6 +239,12 @@ class IterationReader:
         with self._received_lock:
             unreported, self._unreported = self._unreported, {}
         request = dispatcher_pb2.ClientHeartbeatRequest(client_id=self.client_id)
+        if self._consumer_index is not None:
+            request.consumer_index = self._consumer_index
+            with self._lock:
+                if self._blocked_round is not None:
+                    request.blocked_round = self._blocked_round
+                    request.removals_seen = len(self._removals)
         for (repetition, index), offsets in unreported.items():
             request.received.add(split=common_pb2.SplitKey(repetition=repetition, index=index),
                                  offsets=offsets)
@@ -246,7 +281,11 @@ class IterationReader:
                 if task_id not in listed and not state.in_use:
                     # Finished or its worker is gone: nothing more will come from it.
                     state.ended = True
-            self._task_order = sorted(t for t, s in self._tasks.items() if not s.ended)
+            self._task_order = task_groups(
+                [s.info for s in self._tasks.values() if not s.ended], self._target_workers)
+            self._lost_tasks = {info.task_id for info in response.tasks if info.lost}
+            if len(response.removals) > len(self._removals):
+                self._removals = [(r.round, frozenset(r.task_ids)) for r in response.removals]
             if self._consumer_index is not None and self._coordinated_tasks is None \
                     and self._tasks:
                 self._coordinated_tasks = sorted(self._tasks)
@@ -273,15 +312,14 @@ class IterationReader:
 
     # ------------------------------------------------------------------ fetching
     def _pick_task(self) -> _TaskState | None:
+        """A task to fetch from: round robin within the best group that has one free."""
         now = time.monotonic()
-        order = self._task_order
-        if not order:
-            return None
         start = next(self._next_task)
-        for i in range(len(order)):
-            state = self._tasks[order[(start + i) % len(order)]]
-            if not state.in_use and not state.ended and state.retry_at <= now:
-                return state
+        for group in self._task_order:
+            for i in range(len(group)):
+                state = self._tasks[group[(start + i) % len(group)]]
+                if not state.in_use and not state.ended and state.retry_at <= now:
+                    return state
         return None
 
     def _fetch_loop(self) -> None:
@@ -299,6 +337,9 @@ class IterationReader:
             batch: _Batch | None = None
             try:
                 batch = self._fetch(state)
+            except Exception as error:  # raised by an in-process worker: the consumer's now
+                with self._lock:
+                    self._fatal = error
             finally:
                 with self._lock:
                     state.in_use = False
@@ -330,9 +371,10 @@ class IterationReader:
                 state.info.process_id == local.process_id()
                 and self._target_workers != "ANY") else None
             if service is not None:
-                header, payloads = service.fetch(request)
-                # Big payloads are the worker's shared-memory segments, handed to us alone
-                # unless a cross-trainer cache serves the same payload to every trainer.
+                header, payloads = service.fetch(request, local=True)
+                # Objects of an executor thread (LocalElement), or payloads: big ones are the
+                # worker's shared-memory segments, handed to us alone unless a cross-trainer
+                # cache serves the same payload to every trainer.
                 borrow = not self._trainer_id
             elif (target := self._data_target(state.info)) is not None:
                 # Each big payload arrives in a buffer of its own: the tensors' memory.
@@ -418,6 +460,7 @@ class IterationReader:
         """Coordinated reads: one fetch at a time, in round order (see the module docstring)."""
         round_index = 0
         active: list[int] | None = None
+        applied = 0  # removals of lost tasks applied to `active`
         while not self._closed.is_set():
             if active is None:
                 with self._lock:
@@ -425,21 +468,38 @@ class IterationReader:
                         self._lock.wait(0.05)
                         continue
                     active = list(self._coordinated_tasks)
+            with self._lock:
+                removals = list(self._removals)
+            while applied < len(removals) and removals[applied][0] <= round_index:
+                active = [t for t in active if t not in removals[applied][1]]
+                applied += 1
+                if not active:
+                    self._fail(RuntimeError(
+                        "coordinated reads: every worker of the job was lost"))
+                    return
             if not active:
                 with self._lock:
                     self._coordinated_finished = True
                     self._lock.notify_all()
                 return
+            task_id = active[round_index % len(active)]
+            if any(task_id in tasks for _, tasks in removals[applied:]):
+                round_index += 1  # the lost task's round: skipped by all who had not read it
+                continue
             if not self._slots.acquire(timeout=0.2):
                 continue
-            state = self._tasks[active[round_index % len(active)]]
+            state = self._tasks[task_id]
             with self._lock:
                 self._in_flight += 1
             batch: _Batch | None = None
             try:
                 batch = self._fetch_round(state, round_index)
             finally:
-                self._settle(batch)
+                self._settle(None if batch is _LOST else batch)
+            if batch is _LOST:
+                if not self._wait_for_removal(task_id, round_index, applied):
+                    return
+                continue
             if batch is None:
                 return  # closed or failed (self._fatal is set)
             if batch.error is not None:
@@ -449,10 +509,43 @@ class IterationReader:
             else:  # end of this task: the same round goes to the next task, for everyone
                 active.remove(state.info.task_id)
 
+    def _wait_for_removal(self, task_id: int, round_index: int, applied: int) -> bool:
+        """Stopped at `round_index` on a lost task: wait until the dispatcher decides when it
+        leaves (once every consumer is stopped on lost tasks). False if closed or failed."""
+        deadline = time.monotonic() + self._connect_timeout_s
+        with self._lock:
+            self._blocked_round = round_index
+        try:
+            self._heartbeat()  # report now rather than at the next beat
+            with self._lock:
+                while not any(task_id in tasks for _, tasks in self._removals[applied:]):
+                    if self._closed.is_set() or self._fatal is not None:
+                        return False
+                    if time.monotonic() > deadline:
+                        self._fatal = RuntimeError(
+                            f"coordinated read of round {round_index}: the worker of task "
+                            f"{task_id} was lost, and not every consumer of the job reached "
+                            f"a lost worker's round within {self._connect_timeout_s:.0f}s (is "
+                            "every consumer still reading?)")
+                        self._lock.notify_all()
+                        return False
+                    self._lock.wait(0.1)
+            return True
+        finally:
+            with self._lock:
+                self._blocked_round = None
+
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            self._fatal = error
+            self._lock.notify_all()
+
     def _fetch_round(self, state: _TaskState, round_index: int) -> _Batch | None:
         """This consumer's element of `round_index` from `state`'s task (empty batch: its end)."""
         failing_since: float | None = None
         while not self._closed.is_set():
+            if state.info.task_id in self._lost_tasks:
+                return _LOST
             now = time.monotonic()
             if state.retry_at > now:
                 self._closed.wait(state.retry_at - now)
@@ -506,6 +599,8 @@ class IterationReader:
                     if not batch.payloads and batch.error is None:
                         self._current = None
                         self._slots.release()
+                    if type(payload) is LocalElement:
+                        return payload.take()  # the object itself: no decode, no copy
                     return codec.decode(payload, borrow=batch.borrow)
                 if batch.error is not None:
                     self._current = None

@@ -5,6 +5,11 @@ Layout in `<work_dir>/dispatcher_journal/`:
     snapshot_<g>   one record: the whole state when log generation g started (optional)
     log_<g>        the updates applied after that, in order
 
+The snapshot record is an `Update` of kind `snapshot` whose bytes are a `DispatcherSnapshot`
+protobuf (dispatcher/snapshot.py, protos/torch_dataservice/v1/snapshot.proto), not a pickle: any
+version that knows its schema version reads it, and reading it runs no code. Applying it
+replaces the whole state, so replay yields it first, like any other update.
+
 Replay reads the newest snapshot, then every log from its generation on, in order. Each
 dispatcher incarnation appends to a new log (one past the highest existing file), so a torn
 tail written by a crashed incarnation is never appended to. Compaction, when the current log
@@ -13,9 +18,10 @@ fsync the directory), starts `log_<g+1>` and only then deletes the older files; 
 any point leaves either the old files or the new snapshot complete.
 
 Record framing: 4-byte little-endian payload length, 4-byte CRC32 of the payload, payload (a
-serialized `Update`). A short or mismatching record ends that file: replay logs a warning and
-goes on with the next file. Only a record being written when the process died can be torn,
-and its RPC never replied, so dropping it loses nothing that anyone was told.
+serialized `Update`, in snapshot files too). A short or mismatching record ends that file:
+replay logs a warning and goes on with the next file. Only a record being written when the
+process died can be torn, and its RPC never replied, so dropping it loses nothing that anyone
+was told.
 
 Durability is group commit: `append` writes the record (no fsync) under the dispatcher's
 lock, in the order updates are applied; `sync` (called by every RPC before it replies, with
@@ -136,7 +142,11 @@ class FileJournal:
             if len(records) != 1:
                 raise RuntimeError(f"journal snapshot {self._path('snapshot', start)} is "
                                    "damaged; it was written atomically, so the disk is at fault")
-            yield Update.FromString(records[0])
+            snapshot = Update.FromString(records[0])
+            if snapshot.WhichOneof("kind") != "snapshot":
+                raise RuntimeError(f"journal snapshot {self._path('snapshot', start)} holds a "
+                                   f"{snapshot.WhichOneof('kind')!r} update, not a snapshot")
+            yield snapshot
         logs = sorted(g for kind, g in self._previous if kind == "log" and g >= start)
         for generation in logs:
             for payload in read_records(self._path("log", generation)):

@@ -120,6 +120,9 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         self._settled: dict[int, list[tuple[int, int, int]]] = {}
         self._settled_base: dict[int, int] = {}
         self._settled_sent: dict[int, int] = {}
+        # Coordinated reads: per iteration, consumer index -> (round it is blocked at on a lost
+        # task, removals it knew then). Soft state: blocked consumers report in every heartbeat.
+        self._blocked: dict[int, dict[int, tuple[int, int]]] = {}
         self._pusher = ThreadPoolExecutor(max_workers=4, thread_name_prefix="task-push")
 
     @property
@@ -234,6 +237,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
     def GetOrCreateIteration(self, request, context):
         with self._lock:
             job = self._state.job(request.job_id)
+            self._state.dataset(job.config.dataset_id)  # LookupError once an ephemeral is gone
             key = (job.job_id, request.repetition)
             iteration_id = self._state.iteration_by_key.get(key)
             new_tasks: list[Task] = []
@@ -304,6 +308,10 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             if iteration.garbage_collected:
                 response.error = f"iteration {iteration.iteration_id} was garbage-collected"
             coordinated = self._coordinated(iteration)
+            if coordinated:
+                self._note_blocked(iteration, request)
+                for removal_round, task_ids in iteration.removals:
+                    response.removals.add(round=removal_round, task_ids=task_ids)
             for task in self._state.iteration_tasks(iteration):
                 worker = self._state.workers.get(task.worker_address)
                 if (task.finished or worker is None) and not coordinated:
@@ -312,6 +320,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                     task_id=task.task_id,
                     worker_address=task.worker_address,
                     starting_round=task.starting_round,
+                    lost=task.lost,
                 )
                 if worker is not None:
                     info.worker_uid = worker.uid
@@ -322,6 +331,41 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                     info.data_socket = worker.data_socket
                 response.tasks.append(info)
             return response
+
+    def _note_blocked(self, iteration: Iteration,
+                      request: dispatcher_pb2.ClientHeartbeatRequest) -> None:
+        """Coordinated reads losing a worker (tf.data service's MaybeRemoveTask, generalised).
+
+        A consumer whose next round falls on a lost task stops there and reports that round.
+        Once every consumer is stopped so (each having seen every removal decided so far), the
+        lost tasks leave at R = the highest of those rounds: no consumer read a round >= R, so
+        all switch to the smaller task set at the same round; rounds before R that fall on
+        the lost tasks are skipped by whoever had not read them (their elements died with the
+        worker). The decision is journaled, so a restarted dispatcher repeats it.
+        """
+        blocked = self._blocked.setdefault(iteration.iteration_id, {})
+        if not request.HasField("blocked_round"):
+            blocked.pop(request.consumer_index, None)
+            return
+        blocked[request.consumer_index] = (request.blocked_round, request.removals_seen)
+        num_consumers = self._state.job(iteration.job_id).config.num_consumers
+        current = {consumer: round_index for consumer, (round_index, seen) in blocked.items()
+                   if seen == len(iteration.removals)}
+        if set(current) != set(range(num_consumers)):
+            return
+        removed = {t for _, task_ids in iteration.removals for t in task_ids}
+        lost = [t for t in iteration.task_ids if self._state.task(t).lost and t not in removed]
+        if not lost:
+            return
+        removal_round = max(current.values(), default=0)
+        if iteration.removals:
+            removal_round = max(removal_round, iteration.removals[-1][0])
+        logger.info("iteration %d: lost tasks %s leave the round robin at round %d",
+                    iteration.iteration_id, lost, removal_round)
+        self._apply(Update(remove_round_tasks=dispatcher_pb2.RemoveRoundTasks(
+            iteration_id=iteration.iteration_id,
+            removal=common_pb2.RemovedTasks(round=removal_round, task_ids=lost))))
+        blocked.clear()
 
     def _coordinated(self, iteration: Iteration) -> bool:
         """Coordinated reads: the iteration's task set is fixed once it has tasks.
@@ -510,22 +554,35 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             task = self._state.task(request.task_id)
             if task.finished:
                 return dispatcher_pb2.GetSplitResponse(end_of_splits=True)
-            if request.has_finished_split:
-                key = (request.finished_split.repetition, request.finished_split.index)
+            for finished in request.finished_splits:
+                key = (finished.split.repetition, finished.split.index)
                 if key in iteration.delivered and key not in iteration.produced:
                     self._apply(Update(split_produced=dispatcher_pb2.SplitProduced(
                         iteration_id=iteration.iteration_id, task_id=task.task_id,
-                        split=request.finished_split,
-                        num_elements=request.finished_split_elements)))
-                    self._note_settled(iteration, {key: request.finished_split_elements})
+                        split=finished.split, num_elements=finished.elements)))
+                    self._note_settled(iteration, {key: finished.elements})
             last = task.last_split.get(request.replica)
             if request.request_id and last is not None and last[0] == request.request_id:
-                return _split_response(iteration, last[1], last[2])  # a retried request
-            update, response = self._next_split(iteration, request.repetition, task)
-            if update is not None:
-                update.replica, update.request_id = request.replica, request.request_id
-                self._apply(Update(produce_split=update))
-            return response
+                return _split_response(iteration, last[1])  # a retried request
+            granted: list[dispatcher_pb2.GetSplitResponse] = []
+            for _ in range(max(1, request.max_splits)):
+                try:
+                    update, response = self._next_split(iteration, request.repetition, task)
+                except NotReadyError:
+                    if granted:
+                        break
+                    raise
+                if response.end_of_splits and granted:
+                    break  # the next request learns of the end
+                if update is not None:
+                    update.replica, update.request_id = request.replica, request.request_id
+                    self._apply(Update(produce_split=update))
+                if response.end_of_splits:
+                    return response
+                granted.append(response)
+            first, *following = granted
+            first.following.extend(following)
+            return first
 
     def _requeue_ready(self, iteration: Iteration) -> bool:
         """Every client of `iteration` reported what it received since the last requeue, or
@@ -635,16 +692,32 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                     split=common_pb2.SplitKey(repetition=repetition, index=index))))
         self._apply(Update(garbage_collect_iteration=dispatcher_pb2.GarbageCollectIteration(
             iteration_id=iteration.iteration_id)))
+        dataset_id = self._state.job(iteration.job_id).config.dataset_id
+        dataset = self._state.datasets.get(dataset_id)
+        if dataset is not None and dataset.definition.ephemeral and not any(
+                not other.garbage_collected
+                and self._state.job(other.job_id).config.dataset_id == dataset_id
+                for other in self._state.iterations.values()):
+            logger.info("ephemeral dataset %s is no longer read: removed", dataset_id)
+            self._apply(Update(remove_dataset=dispatcher_pb2.RemoveDataset(
+                dataset_id=dataset_id)))
 
 
-def _split_response(iteration: Iteration, repetition: int,
-                    index: int) -> dispatcher_pb2.GetSplitResponse:
-    """The answer already given for a split handed out (a retried GetSplit)."""
-    if index < 0:
+def _split_response(iteration: Iteration,
+                    keys: tuple[tuple[int, int], ...]) -> dispatcher_pb2.GetSplitResponse:
+    """The answer already given for the splits handed out (a retried GetSplit)."""
+    granted = []
+    for repetition, index in keys:
+        if index < 0:
+            break
+        offsets = sorted(iteration.delivered.get((repetition, index), ()))
+        granted.append(dispatcher_pb2.GetSplitResponse(
+            split_index=index, skip=len(offsets), skip_offsets=offsets, repetition=repetition))
+    if not granted:
         return dispatcher_pb2.GetSplitResponse(end_of_splits=True)
-    offsets = sorted(iteration.delivered.get((repetition, index), ()))
-    return dispatcher_pb2.GetSplitResponse(split_index=index, skip=len(offsets),
-                                           skip_offsets=offsets, repetition=repetition)
+    first, *following = granted
+    first.following.extend(following)
+    return first
 
 
 def _check_matching_job(existing: common_pb2.JobConfig, requested: common_pb2.JobConfig) -> None:

@@ -8,7 +8,6 @@ clients 3000, tasks 4000, jobs 5000) so an id in a log line says what it is.
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -62,9 +61,11 @@ class Task:
     # DYNAMIC exactly-once: splits handed to this task, by (repetition, index), until every
     # element of them is delivered (settled) or they are requeued.
     splits: set[tuple[int, int]] = field(default_factory=set)
-    # The last GetSplit answered per replica: (request id, repetition, split index or -1), so
-    # a retried request gets the same split back instead of losing it.
-    last_split: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    # The last GetSplit answered per replica: (request id, the (repetition, split index or -1)
+    # it handed, in order), so a retried request gets the same splits back instead of losing
+    # them.
+    last_split: dict[int, tuple[int, tuple[tuple[int, int], ...]]] = field(
+        default_factory=dict)
 
 
 @dataclass
@@ -90,6 +91,8 @@ class Iteration:
     # received, and (once the worker finished producing it) how many elements the split has.
     delivered: dict[tuple[int, int], set[int]] = field(default_factory=dict)
     produced: dict[tuple[int, int], int] = field(default_factory=dict)
+    # Coordinated reads: (round, task ids) per removal of lost tasks, in decision order.
+    removals: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
 
 
 @dataclass
@@ -186,7 +189,11 @@ class DispatcherState:
         iteration = self.iterations[u.iteration_id]
         task = self.tasks.get(u.task_id)
         if task is not None and u.request_id:
-            task.last_split[u.replica] = (u.request_id, u.repetition, u.split_index)
+            # Several ProduceSplit records of one request (max_splits) make one answer.
+            request_id, keys = task.last_split.get(u.replica, (None, ()))
+            if request_id != u.request_id:
+                keys = ()
+            task.last_split[u.replica] = (u.request_id, (*keys, (u.repetition, u.split_index)))
         key = (u.repetition, u.split_index)
         if u.requeued:
             for i, split in enumerate(iteration.requeued):
@@ -261,16 +268,21 @@ class DispatcherState:
             self.tasks[task_id].splits.discard(key)
 
     def _apply_snapshot(self, u: dispatcher_pb2.StateSnapshot) -> None:
-        restored = pickle.loads(u.state)
-        if not isinstance(restored, DispatcherState):
-            raise InvalidTransition(f"snapshot holds a {type(restored).__name__}")
+        # Imported here: snapshot.py builds on this module's dataclasses.
+        from torch_dataservice.dispatcher import snapshot as codec
+
+        restored = codec.from_bytes(u.state)
         self.__dict__.clear()
         self.__dict__.update(restored.__dict__)
 
     def snapshot(self) -> Update:
-        """An update that, applied to any state, makes it equal to this one (compaction)."""
-        return Update(snapshot=dispatcher_pb2.StateSnapshot(
-            state=pickle.dumps(self, protocol=pickle.HIGHEST_PROTOCOL)))
+        """An update that, applied to any state, makes it equal to this one (compaction).
+
+        `state` holds a serialized `DispatcherSnapshot` (dispatcher/snapshot.py), not a pickle.
+        """
+        from torch_dataservice.dispatcher import snapshot as codec
+
+        return Update(snapshot=dispatcher_pb2.StateSnapshot(state=codec.to_bytes(self)))
 
     def _apply_acquire_client(self, u: dispatcher_pb2.AcquireClient) -> None:
         self.clients[u.client_id] = u.iteration_id
@@ -281,6 +293,29 @@ class DispatcherState:
         iteration_id = self.clients.pop(u.client_id, None)
         if iteration_id is not None:
             self.iterations[iteration_id].client_ids.discard(u.client_id)
+
+    def _apply_remove_dataset(self, u: dispatcher_pb2.RemoveDataset) -> None:
+        dataset = self.datasets.pop(u.dataset_id, None)
+        if dataset is None:
+            raise InvalidTransition(f"dataset {u.dataset_id!r} is not registered")
+        fingerprint = dataset.definition.fingerprint
+        if self.dataset_by_fingerprint.get(fingerprint) == u.dataset_id:
+            del self.dataset_by_fingerprint[fingerprint]
+
+    def _apply_remove_round_tasks(self, u: dispatcher_pb2.RemoveRoundTasks) -> None:
+        iteration = self.iterations[u.iteration_id]
+        removed = {t for _, tasks in iteration.removals for t in tasks}
+        for task_id in u.removal.task_ids:
+            task = self.tasks.get(task_id)
+            if task is None or task.iteration_id != u.iteration_id or not task.lost:
+                raise InvalidTransition(f"task {task_id} is not a lost task of iteration "
+                                        f"{u.iteration_id}")
+            if task_id in removed:
+                raise InvalidTransition(f"task {task_id} was removed already")
+        if iteration.removals and u.removal.round < iteration.removals[-1][0]:
+            raise InvalidTransition(
+                f"removal round {u.removal.round} precedes {iteration.removals[-1][0]}")
+        iteration.removals.append((u.removal.round, tuple(u.removal.task_ids)))
 
     def _apply_garbage_collect_iteration(self, u: dispatcher_pb2.GarbageCollectIteration) -> None:
         iteration = self.iterations[u.iteration_id]

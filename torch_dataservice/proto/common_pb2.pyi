@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DatasetDef(_message.Message):
-    __slots__ = ("pipeline", "compression", "splittable", "num_splits", "file_based", "num_files", "has_shard_hint", "fingerprint", "order_sensitive", "depends_on", "shared_object")
+    __slots__ = ("pipeline", "compression", "splittable", "num_splits", "file_based", "num_files", "has_shard_hint", "fingerprint", "order_sensitive", "depends_on", "shared_object", "ephemeral")
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     SPLITTABLE_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class DatasetDef(_message.Message):
     ORDER_SENSITIVE_FIELD_NUMBER: _ClassVar[int]
     DEPENDS_ON_FIELD_NUMBER: _ClassVar[int]
     SHARED_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    EPHEMERAL_FIELD_NUMBER: _ClassVar[int]
     pipeline: bytes
     compression: str
     splittable: bool
@@ -30,7 +31,8 @@ class DatasetDef(_message.Message):
     order_sensitive: bool
     depends_on: _containers.RepeatedScalarFieldContainer[str]
     shared_object: bool
-    def __init__(self, pipeline: _Optional[bytes] = ..., compression: _Optional[str] = ..., splittable: _Optional[bool] = ..., num_splits: _Optional[int] = ..., file_based: _Optional[bool] = ..., num_files: _Optional[int] = ..., has_shard_hint: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., order_sensitive: _Optional[bool] = ..., depends_on: _Optional[_Iterable[str]] = ..., shared_object: _Optional[bool] = ...) -> None: ...
+    ephemeral: bool
+    def __init__(self, pipeline: _Optional[bytes] = ..., compression: _Optional[str] = ..., splittable: _Optional[bool] = ..., num_splits: _Optional[int] = ..., file_based: _Optional[bool] = ..., num_files: _Optional[int] = ..., has_shard_hint: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., order_sensitive: _Optional[bool] = ..., depends_on: _Optional[_Iterable[str]] = ..., shared_object: _Optional[bool] = ..., ephemeral: _Optional[bool] = ...) -> None: ...
 
 class JobConfig(_message.Message):
     __slots__ = ("dataset_id", "job_name", "sharding_policy", "num_consumers", "target_workers", "cross_trainer_cache")
@@ -75,7 +77,7 @@ class TaskDef(_message.Message):
     def __init__(self, task_id: _Optional[int] = ..., iteration_id: _Optional[int] = ..., job_id: _Optional[int] = ..., dataset_id: _Optional[str] = ..., sharding_policy: _Optional[int] = ..., num_workers: _Optional[int] = ..., worker_index: _Optional[int] = ..., num_consumers: _Optional[int] = ..., cross_trainer_cache: _Optional[bool] = ..., compression: _Optional[str] = ..., num_splits: _Optional[int] = ...) -> None: ...
 
 class TaskInfo(_message.Message):
-    __slots__ = ("task_id", "worker_address", "worker_uid", "worker_index", "starting_round", "host_id", "process_id", "data_port", "data_socket")
+    __slots__ = ("task_id", "worker_address", "worker_uid", "worker_index", "starting_round", "host_id", "process_id", "data_port", "data_socket", "lost")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WORKER_UID_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +87,7 @@ class TaskInfo(_message.Message):
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     DATA_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
     task_id: int
     worker_address: str
     worker_uid: int
@@ -94,7 +97,16 @@ class TaskInfo(_message.Message):
     process_id: str
     data_port: int
     data_socket: str
-    def __init__(self, task_id: _Optional[int] = ..., worker_address: _Optional[str] = ..., worker_uid: _Optional[int] = ..., worker_index: _Optional[int] = ..., starting_round: _Optional[int] = ..., host_id: _Optional[str] = ..., process_id: _Optional[str] = ..., data_port: _Optional[int] = ..., data_socket: _Optional[str] = ...) -> None: ...
+    lost: bool
+    def __init__(self, task_id: _Optional[int] = ..., worker_address: _Optional[str] = ..., worker_uid: _Optional[int] = ..., worker_index: _Optional[int] = ..., starting_round: _Optional[int] = ..., host_id: _Optional[str] = ..., process_id: _Optional[str] = ..., data_port: _Optional[int] = ..., data_socket: _Optional[str] = ..., lost: _Optional[bool] = ...) -> None: ...
+
+class RemovedTasks(_message.Message):
+    __slots__ = ("round", "task_ids")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TASK_IDS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    task_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round: _Optional[int] = ..., task_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RemoteError(_message.Message):
     __slots__ = ("type", "message", "traceback")

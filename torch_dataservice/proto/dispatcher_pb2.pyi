@@ -62,14 +62,20 @@ class GetOrCreateIterationResponse(_message.Message):
     def __init__(self, iteration_id: _Optional[int] = ..., client_id: _Optional[int] = ...) -> None: ...
 
 class ClientHeartbeatRequest(_message.Message):
-    __slots__ = ("client_id", "current_round", "received")
+    __slots__ = ("client_id", "current_round", "received", "blocked_round", "consumer_index", "removals_seen")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_ROUND_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    REMOVALS_SEEN_FIELD_NUMBER: _ClassVar[int]
     client_id: int
     current_round: int
     received: _containers.RepeatedCompositeFieldContainer[ReceivedSplit]
-    def __init__(self, client_id: _Optional[int] = ..., current_round: _Optional[int] = ..., received: _Optional[_Iterable[_Union[ReceivedSplit, _Mapping]]] = ...) -> None: ...
+    blocked_round: int
+    consumer_index: int
+    removals_seen: int
+    def __init__(self, client_id: _Optional[int] = ..., current_round: _Optional[int] = ..., received: _Optional[_Iterable[_Union[ReceivedSplit, _Mapping]]] = ..., blocked_round: _Optional[int] = ..., consumer_index: _Optional[int] = ..., removals_seen: _Optional[int] = ...) -> None: ...
 
 class ReceivedSplit(_message.Message):
     __slots__ = ("task_id", "split", "offsets")
@@ -82,16 +88,18 @@ class ReceivedSplit(_message.Message):
     def __init__(self, task_id: _Optional[int] = ..., split: _Optional[_Union[_common_pb2.SplitKey, _Mapping]] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ClientHeartbeatResponse(_message.Message):
-    __slots__ = ("tasks", "iteration_finished", "error", "settled")
+    __slots__ = ("tasks", "iteration_finished", "error", "settled", "removals")
     TASKS_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FINISHED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SETTLED_FIELD_NUMBER: _ClassVar[int]
+    REMOVALS_FIELD_NUMBER: _ClassVar[int]
     tasks: _containers.RepeatedCompositeFieldContainer[_common_pb2.TaskInfo]
     iteration_finished: bool
     error: str
     settled: _containers.RepeatedCompositeFieldContainer[SettledSplit]
-    def __init__(self, tasks: _Optional[_Iterable[_Union[_common_pb2.TaskInfo, _Mapping]]] = ..., iteration_finished: _Optional[bool] = ..., error: _Optional[str] = ..., settled: _Optional[_Iterable[_Union[SettledSplit, _Mapping]]] = ...) -> None: ...
+    removals: _containers.RepeatedCompositeFieldContainer[_common_pb2.RemovedTasks]
+    def __init__(self, tasks: _Optional[_Iterable[_Union[_common_pb2.TaskInfo, _Mapping]]] = ..., iteration_finished: _Optional[bool] = ..., error: _Optional[str] = ..., settled: _Optional[_Iterable[_Union[SettledSplit, _Mapping]]] = ..., removals: _Optional[_Iterable[_Union[_common_pb2.RemovedTasks, _Mapping]]] = ...) -> None: ...
 
 class SettledSplit(_message.Message):
     __slots__ = ("split", "num_elements")
@@ -152,41 +160,49 @@ class WorkerUpdateResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GetSplitRequest(_message.Message):
-    __slots__ = ("iteration_id", "repetition", "task_id", "replica", "request_id", "has_finished_split", "finished_split", "finished_split_elements")
+    __slots__ = ("iteration_id", "repetition", "task_id", "replica", "request_id", "finished_splits", "max_splits")
     ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
     REPETITION_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    HAS_FINISHED_SPLIT_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_SPLIT_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_SPLIT_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_SPLITS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SPLITS_FIELD_NUMBER: _ClassVar[int]
     iteration_id: int
     repetition: int
     task_id: int
     replica: int
     request_id: int
-    has_finished_split: bool
-    finished_split: _common_pb2.SplitKey
-    finished_split_elements: int
-    def __init__(self, iteration_id: _Optional[int] = ..., repetition: _Optional[int] = ..., task_id: _Optional[int] = ..., replica: _Optional[int] = ..., request_id: _Optional[int] = ..., has_finished_split: _Optional[bool] = ..., finished_split: _Optional[_Union[_common_pb2.SplitKey, _Mapping]] = ..., finished_split_elements: _Optional[int] = ...) -> None: ...
+    finished_splits: _containers.RepeatedCompositeFieldContainer[FinishedSplit]
+    max_splits: int
+    def __init__(self, iteration_id: _Optional[int] = ..., repetition: _Optional[int] = ..., task_id: _Optional[int] = ..., replica: _Optional[int] = ..., request_id: _Optional[int] = ..., finished_splits: _Optional[_Iterable[_Union[FinishedSplit, _Mapping]]] = ..., max_splits: _Optional[int] = ...) -> None: ...
+
+class FinishedSplit(_message.Message):
+    __slots__ = ("split", "elements")
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
+    ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    split: _common_pb2.SplitKey
+    elements: int
+    def __init__(self, split: _Optional[_Union[_common_pb2.SplitKey, _Mapping]] = ..., elements: _Optional[int] = ...) -> None: ...
 
 class GetSplitResponse(_message.Message):
-    __slots__ = ("split_index", "end_of_splits", "skip", "skip_offsets", "repetition")
+    __slots__ = ("split_index", "end_of_splits", "skip", "skip_offsets", "repetition", "following")
     SPLIT_INDEX_FIELD_NUMBER: _ClassVar[int]
     END_OF_SPLITS_FIELD_NUMBER: _ClassVar[int]
     SKIP_FIELD_NUMBER: _ClassVar[int]
     SKIP_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     REPETITION_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWING_FIELD_NUMBER: _ClassVar[int]
     split_index: int
     end_of_splits: bool
     skip: int
     skip_offsets: _containers.RepeatedScalarFieldContainer[int]
     repetition: int
-    def __init__(self, split_index: _Optional[int] = ..., end_of_splits: _Optional[bool] = ..., skip: _Optional[int] = ..., skip_offsets: _Optional[_Iterable[int]] = ..., repetition: _Optional[int] = ...) -> None: ...
+    following: _containers.RepeatedCompositeFieldContainer[GetSplitResponse]
+    def __init__(self, split_index: _Optional[int] = ..., end_of_splits: _Optional[bool] = ..., skip: _Optional[int] = ..., skip_offsets: _Optional[_Iterable[int]] = ..., repetition: _Optional[int] = ..., following: _Optional[_Iterable[_Union[GetSplitResponse, _Mapping]]] = ...) -> None: ...
 
 class Update(_message.Message):
-    __slots__ = ("register_dataset", "register_worker", "create_job", "create_iteration", "produce_split", "create_task", "finish_task", "acquire_client", "release_client", "garbage_collect_iteration", "remove_worker", "requeue_split", "snapshot", "record_delivered", "split_produced")
+    __slots__ = ("register_dataset", "register_worker", "create_job", "create_iteration", "produce_split", "create_task", "finish_task", "acquire_client", "release_client", "garbage_collect_iteration", "remove_worker", "requeue_split", "snapshot", "record_delivered", "split_produced", "remove_round_tasks", "remove_dataset")
     REGISTER_DATASET_FIELD_NUMBER: _ClassVar[int]
     REGISTER_WORKER_FIELD_NUMBER: _ClassVar[int]
     CREATE_JOB_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +218,8 @@ class Update(_message.Message):
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     RECORD_DELIVERED_FIELD_NUMBER: _ClassVar[int]
     SPLIT_PRODUCED_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_ROUND_TASKS_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_DATASET_FIELD_NUMBER: _ClassVar[int]
     register_dataset: RegisterDataset
     register_worker: RegisterWorker
     create_job: CreateJob
@@ -217,7 +235,9 @@ class Update(_message.Message):
     snapshot: StateSnapshot
     record_delivered: RecordDelivered
     split_produced: SplitProduced
-    def __init__(self, register_dataset: _Optional[_Union[RegisterDataset, _Mapping]] = ..., register_worker: _Optional[_Union[RegisterWorker, _Mapping]] = ..., create_job: _Optional[_Union[CreateJob, _Mapping]] = ..., create_iteration: _Optional[_Union[CreateIteration, _Mapping]] = ..., produce_split: _Optional[_Union[ProduceSplit, _Mapping]] = ..., create_task: _Optional[_Union[CreateTask, _Mapping]] = ..., finish_task: _Optional[_Union[FinishTask, _Mapping]] = ..., acquire_client: _Optional[_Union[AcquireClient, _Mapping]] = ..., release_client: _Optional[_Union[ReleaseClient, _Mapping]] = ..., garbage_collect_iteration: _Optional[_Union[GarbageCollectIteration, _Mapping]] = ..., remove_worker: _Optional[_Union[RemoveWorker, _Mapping]] = ..., requeue_split: _Optional[_Union[RequeueSplit, _Mapping]] = ..., snapshot: _Optional[_Union[StateSnapshot, _Mapping]] = ..., record_delivered: _Optional[_Union[RecordDelivered, _Mapping]] = ..., split_produced: _Optional[_Union[SplitProduced, _Mapping]] = ...) -> None: ...
+    remove_round_tasks: RemoveRoundTasks
+    remove_dataset: RemoveDataset
+    def __init__(self, register_dataset: _Optional[_Union[RegisterDataset, _Mapping]] = ..., register_worker: _Optional[_Union[RegisterWorker, _Mapping]] = ..., create_job: _Optional[_Union[CreateJob, _Mapping]] = ..., create_iteration: _Optional[_Union[CreateIteration, _Mapping]] = ..., produce_split: _Optional[_Union[ProduceSplit, _Mapping]] = ..., create_task: _Optional[_Union[CreateTask, _Mapping]] = ..., finish_task: _Optional[_Union[FinishTask, _Mapping]] = ..., acquire_client: _Optional[_Union[AcquireClient, _Mapping]] = ..., release_client: _Optional[_Union[ReleaseClient, _Mapping]] = ..., garbage_collect_iteration: _Optional[_Union[GarbageCollectIteration, _Mapping]] = ..., remove_worker: _Optional[_Union[RemoveWorker, _Mapping]] = ..., requeue_split: _Optional[_Union[RequeueSplit, _Mapping]] = ..., snapshot: _Optional[_Union[StateSnapshot, _Mapping]] = ..., record_delivered: _Optional[_Union[RecordDelivered, _Mapping]] = ..., split_produced: _Optional[_Union[SplitProduced, _Mapping]] = ..., remove_round_tasks: _Optional[_Union[RemoveRoundTasks, _Mapping]] = ..., remove_dataset: _Optional[_Union[RemoveDataset, _Mapping]] = ...) -> None: ...
 
 class RegisterDataset(_message.Message):
     __slots__ = ("dataset_id", "dataset")
@@ -348,6 +368,20 @@ class RecordDelivered(_message.Message):
     iteration_id: int
     splits: _containers.RepeatedCompositeFieldContainer[ReceivedSplit]
     def __init__(self, iteration_id: _Optional[int] = ..., splits: _Optional[_Iterable[_Union[ReceivedSplit, _Mapping]]] = ...) -> None: ...
+
+class RemoveDataset(_message.Message):
+    __slots__ = ("dataset_id",)
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    dataset_id: str
+    def __init__(self, dataset_id: _Optional[str] = ...) -> None: ...
+
+class RemoveRoundTasks(_message.Message):
+    __slots__ = ("iteration_id", "removal")
+    ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOVAL_FIELD_NUMBER: _ClassVar[int]
+    iteration_id: int
+    removal: _common_pb2.RemovedTasks
+    def __init__(self, iteration_id: _Optional[int] = ..., removal: _Optional[_Union[_common_pb2.RemovedTasks, _Mapping]] = ...) -> None: ...
 
 class SplitProduced(_message.Message):
     __slots__ = ("iteration_id", "task_id", "split", "num_elements")

@@ -11,7 +11,8 @@ again each epoch to notice a dataset that changed (as torch's non-persistent wor
 it) and registered again only then; with `persistent_workers=True` it is pickled once, as
 torch's persistent workers keep their first copy. A small reorder buffer
 keyed by position restores torch's order (`in_order=True`); it stays small because splits are
-handed out in order, so only batches overtaken by a slower one wait.
+handed out in order, so only batches overtaken by a slower one wait. The epoch's dataset is
+registered as ephemeral: the dispatcher forgets it once its iteration is garbage-collected.
 
 Under torchrun every rank draws the same global batch list from the same seed (no
 communication) and registers its own part: batch b goes to rank b % world_size, and with
@@ -52,6 +53,7 @@ from torch.utils.data import IterableDataset
 from torch_dataservice.client.api import (
     ReadOptions,
     ShardingPolicy,
+    dataset_def,
     from_dataset_id,
     register_dataset,
     register_definition,
@@ -299,7 +301,12 @@ class DataLoader(torch.utils.data.DataLoader):
     def _tds_register_epoch(self, service: Any, items: list[tuple[int, Any]]) -> str:
         fetch = SharedFetchBatch(self._tds_fetch_ref(service))
         pipeline = Pipeline.from_items(items).with_split_size(1).map(fetch)
-        return register_dataset(service, pipeline, compression=self._tds_compression)
+        # Ephemeral: the dispatcher drops it once its iteration is collected, so a long run
+        # does not keep every epoch's index batches.
+        definition = dataset_def(pipeline, self._tds_compression)
+        definition.ephemeral = True
+        definition.fingerprint = "ephemeral:" + definition.fingerprint
+        return register_definition(service, definition)
 
     def _tds_fetch_ref(self, service: Any) -> SharedObjectRef:
         """The dataset and collate_fn as a shared object: registered when first seen or when

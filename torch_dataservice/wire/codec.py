@@ -38,7 +38,7 @@ try:  # python-snappy >= 0.7 is a thin layer over cramjam, which can decompress 
 except ImportError:  # pragma: no cover - older python-snappy builds
     _cramjam_snappy = None
 
-__all__ = ["COMPRESSION_AUTO", "decode", "encode", "payload_size"]
+__all__ = ["COMPRESSION_AUTO", "decode", "encode", "estimate_size", "payload_size"]
 
 COMPRESSION_AUTO = "AUTO"
 
@@ -190,6 +190,52 @@ def encode(element: Any, compression: str | None = None) -> list[Part]:
 def payload_size(parts: Sequence[Part]) -> int:
     """Bytes of the payload made of ``parts`` (as returned by ``encode``)."""
     return sum(memoryview(part).nbytes for part in parts)
+
+
+# estimate_size: what an element of no known kind counts for, and its own overhead.
+_OBJECT_BYTES = 16
+_ELEMENT_BYTES = 64
+
+
+def estimate_size(element: Any) -> int:
+    """About the bytes ``encode(element)`` would produce, without encoding it.
+
+    Elements kept as objects (worker/local.py) are counted by this for the same memory bounds
+    as encoded ones. It sums the raw bytes of tensors, arrays, bytes and strings found through
+    lists, tuples, sets, dicts and instance ``__dict__``s; anything else counts a few bytes.
+    """
+    total = _ELEMENT_BYTES
+    stack = [element]
+    seen: set[int] = set()
+    while stack:
+        obj = stack.pop()
+        kind = type(obj)
+        if kind in _SCALARS:
+            total += len(obj) if kind is str else _OBJECT_BYTES
+        elif isinstance(obj, torch.Tensor):
+            total += obj.element_size() * obj.numel()
+        elif isinstance(obj, np.ndarray):
+            total += obj.nbytes
+        elif isinstance(obj, (bytes, bytearray, memoryview)):
+            total += memoryview(obj).nbytes
+        elif id(obj) in seen:
+            continue
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            seen.add(id(obj))
+            total += _OBJECT_BYTES
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            seen.add(id(obj))
+            total += _OBJECT_BYTES
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        else:
+            seen.add(id(obj))
+            total += _OBJECT_BYTES
+            fields = getattr(obj, "__dict__", None)
+            if isinstance(fields, dict):
+                stack.append(fields)
+    return total
 
 
 def _read_table(payload: memoryview) -> tuple[list[tuple[int, int, int]], int]:

@@ -48,6 +48,8 @@ from torch_dataservice.proto import worker_pb2
 
 logger = logging.getLogger(__name__)
 
+DIR_PREFIX = "tds-worker-"  # + pid + "-" + random: a private directory for the Unix socket
+
 MAGIC = b"TDSP"
 VERSION = 1
 HELLO = struct.Struct("<4sBH")  # magic, version, token length
@@ -134,7 +136,10 @@ class DataPort:
         tcp = _listen_tcp(self._host)
         self.port = tcp.getsockname()[1]
         self._listeners.append(tcp)
-        self._dir = tempfile.mkdtemp(prefix="tds-worker-")  # mode 0700: ours alone
+        _remove_stale_dirs()
+        # Mode 0700: ours alone. The pid in the name lets a later worker remove it if this
+        # process dies without stop() (kill -9).
+        self._dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-")
         self.socket_path = os.path.join(self._dir, "data.sock")
         unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         unix.bind(self.socket_path)
@@ -251,3 +256,25 @@ def _shutdown(sock: socket.socket, how: int) -> None:
 def _send_status(conn: socket.socket, status: int, message: str) -> None:
     data = message.encode()
     conn.sendall(STATUS_LENGTH.pack(status, len(data)) + data)
+
+
+def _remove_stale_dirs() -> None:
+    """Remove socket directories of this user's workers that died without stopping."""
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(DIR_PREFIX):
+            continue
+        pid_text = name[len(DIR_PREFIX):].split("-", 1)[0]
+        path = os.path.join(root, name)
+        try:
+            if not pid_text.isdigit() or os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)  # its process is gone
+        except OSError:
+            continue  # alive (PermissionError: someone else's), or unreadable

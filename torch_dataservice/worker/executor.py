@@ -4,7 +4,8 @@ Executor processes are fresh interpreters (`python -m ...executor_process`) conn
 socketpair: unlike multiprocessing's "spawn" they never re-import the user's `__main__` (a
 script without an `if __name__ == "__main__"` guard still works), and unlike "fork" they never
 inherit gRPC's threads. With `num_processes=0` the same executor loop runs on a thread of this
-process (for debugging; the GIL then limits a CPU-bound map to one core).
+process (for debugging, or to hand elements to in-process readers as the objects themselves:
+worker/local.py; the GIL then limits a CPU-bound map to one core).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, Protocol
 
 from torch_dataservice.worker import shm
 from torch_dataservice.worker.executor_process import ReplicaKey, executor_main, read_exactly
+from torch_dataservice.worker.local import LocalChannel, LocalElement
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +43,7 @@ _EXECUTOR_BOOT = (
 
 class ExecutorListener(Protocol):
     def on_element(self, key: ReplicaKey, split: tuple[int, int] | None, offset: int,
-                   payload: bytes | memoryview) -> None: ...
+                   payload: bytes | memoryview | LocalElement) -> None: ...
 
     def on_end(self, key: ReplicaKey) -> None: ...
 
@@ -64,6 +66,8 @@ class _Slot:
         self.send_lock = threading.Lock()
         self.datasets: set[str] = set()
         self.alive = True
+        # An executor thread's elements, as objects (None for a process: they come encoded).
+        self.local: LocalChannel | None = None
         if use_process:
             ours_sock, theirs_sock = socket.socketpair()
             self.conn = Connection(ours_sock.detach())
@@ -75,8 +79,10 @@ class _Slot:
         else:
             ours, theirs = multiprocessing.Pipe(duplex=True)
             self.conn = ours
+            self.local = LocalChannel()
             self.thread = threading.Thread(
-                target=executor_main, args=(theirs,), name=f"tds-executor-{index}", daemon=True
+                target=executor_main, args=(theirs, self.local), name=f"tds-executor-{index}",
+                daemon=True
             )
             self.thread.start()
         # The same socket, for the file descriptors of shared-memory segments (worker/shm.py).
@@ -153,6 +159,10 @@ class ExecutorPool:
                 if kind == "elements":  # small ones, several per message
                     for key, split, offset, payload in message[1]:
                         listener.on_element(key, split, offset, payload)
+                elif kind == "local_elements":  # objects of an executor thread, by token
+                    assert slot.local is not None
+                    for key, split, offset, token in message[1]:
+                        listener.on_element(key, split, offset, slot.local.pop(token))
                 elif kind == "segment":  # a big one in shared memory (worker/shm.py)
                     _, key, split, offset, size, segment, capacity = message
                     if capacity:  # a new segment: its fd follows
@@ -235,3 +245,5 @@ class ExecutorPool:
             slot.conn.close()
             slot.sock.close()
             slot.segments.close()
+            if slot.local is not None:
+                slot.local.clear()

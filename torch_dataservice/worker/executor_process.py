@@ -6,6 +6,11 @@ CPU work that must not run in the front) and sends it, but only while it holds c
 front grants a credit for every element it hands to a client, so a slow consumer stops the
 pipeline instead of filling memory.
 
+On a thread of the front's own process (`num_processes=0`) elements are not encoded here: each
+goes to the front as the object itself (worker/local.py, `LocalElement`) through an in-memory
+`LocalChannel`, and only its token through the connection, so an in-process reader receives it
+without an encode, a copy or a decode. Credits then count an estimate of its encoded size.
+
 Messages, front -> here:   ("dataset", dataset_id, pipeline_bytes)  ("release", dataset_id)
                            ("start", key, dataset_id, rewrites, compression, use_splits, credits)
                            ("credit", key, n)
@@ -14,6 +19,8 @@ Messages, front -> here:   ("dataset", dataset_id, pipeline_bytes)  ("release", 
                            ("stop", key)        ("shutdown",)
                            ("free_segment", segment id)   (worker/shm.py)
 here -> front:             ("elements", [(key, split|None, offset, payload), ...]) small ones,
+                           ("local_elements", [(key, split|None, offset, token), ...]) objects
+                               on the front's LocalChannel (num_processes=0)
                            ("element", key, split|None, offset, size) then `size` raw bytes
                            ("segment", key, split|None, offset, size, segment id, capacity)
                                a big one in shared memory (worker/shm.py); capacity > 0: a
@@ -43,6 +50,7 @@ from torch_dataservice.errors import describe_exception
 from torch_dataservice.pipeline import ExecutionContext, Pipeline, sharding
 from torch_dataservice.wire import codec
 from torch_dataservice.worker import shared_objects, shm
+from torch_dataservice.worker.local import LocalChannel, LocalElement
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +178,13 @@ class _Replica:
                     skip = self._skip.get(wire_split)
                     if skip is not None and offset in skip:
                         continue  # a client received it from a worker that died since
+                if self._executor.local is not None:  # a thread of the front's process
+                    kept = LocalElement(element, self._compression, codec.estimate_size(element))
+                    del element  # the front (and its reader) hold it, not this loop
+                    self._take_credit(kept.size)
+                    self._executor.send_local(self.key, wire_split, offset, kept)
+                    del kept
+                    continue
                 parts = codec.encode(element, self._compression)
                 size = codec.payload_size(parts)
                 self._take_credit(size)
@@ -186,8 +201,10 @@ class _Replica:
 class ExecutorLoop:
     """Receives commands from the front and runs replicas until told to shut down."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, local: LocalChannel | None = None) -> None:
         self._conn = conn
+        # Set when this loop runs on a thread of the front's process: elements go as objects.
+        self.local = local
         self._datasets: dict[str, bytes] = {}
         # Shared objects (worker/shared_objects.py), unpickled at their first use; their bytes
         # are dropped then. The front releases both when no task of the worker needs them.
@@ -220,6 +237,13 @@ class ExecutorLoop:
         with self._outbox_ready:
             self._outbox.append(message)
             self._outbox_ready.notify()
+
+    def send_local(self, key: ReplicaKey, split: tuple[int, int] | None, offset: int,
+                   element: LocalElement) -> None:
+        """Hand `element` to the front as an object: its token travels in order with the
+        other messages, batched like small elements."""
+        assert self.local is not None
+        self.send(("local", key, split, offset, self.local.put(element)))
 
     def send_element(self, key: ReplicaKey, split: tuple[int, int] | None, offset: int,
                      parts: list[codec.Part], size: int) -> None:
@@ -266,14 +290,18 @@ class ExecutorLoop:
                 return
 
     def _write(self, messages: list[tuple | None]) -> bool:
-        small: list[tuple] = []
+        # Consecutive small (or local) elements go as one message; order is kept.
+        batch: list[tuple] = []
+        batch_kind = ""
         for message in messages:
-            if message is not None and message[0] == "element" and len(message) == 5:
-                small.append(message[1:])
+            kind = _batched_kind(message)
+            if batch and kind != batch_kind:
+                self._conn.send((batch_kind, batch))
+                batch = []
+            if kind:
+                batch_kind = kind
+                batch.append(message[1:])  # type: ignore[index]
                 continue
-            if small:
-                self._conn.send(("elements", small))
-                small = []
             if message is None:
                 return True
             if message[0] == "segment":
@@ -294,8 +322,8 @@ class ExecutorLoop:
                     message[6].set()
             else:
                 self._conn.send(message)
-        if small:
-            self._conn.send(("elements", small))
+        if batch:
+            self._conn.send((batch_kind, batch))
         return False
 
     def forget(self, key: ReplicaKey) -> None:
@@ -368,6 +396,18 @@ class ExecutorLoop:
             self._sock.close()
 
 
+def _batched_kind(message: tuple | None) -> str:
+    """The batch message a queued message joins ("" for none): small encoded elements and
+    local elements' tokens."""
+    if message is None:
+        return ""
+    if message[0] == "element" and len(message) == 5:
+        return "elements"
+    if message[0] == "local":
+        return "local_elements"
+    return ""
+
+
 def apply_rewrites(pipeline: Pipeline, rewrites: list[tuple[str, int, int]]) -> Pipeline:
     """Static sharding rewrites, applied where the pipeline runs (never in the front)."""
     for kind, num_shards, index in rewrites:
@@ -405,11 +445,12 @@ def read_exactly(fd: int, size: int) -> memoryview:
     return view
 
 
-def executor_main(conn: Connection) -> None:
-    """Entry point of an executor process (or thread, with num_processes=0)."""
+def executor_main(conn: Connection, local: LocalChannel | None = None) -> None:
+    """Entry point of an executor process, or of a thread (num_processes=0) with `local`, the
+    channel its elements reach the front on as objects."""
     logging.basicConfig(level=logging.WARNING)
     try:
-        ExecutorLoop(conn).run()
+        ExecutorLoop(conn, local).run()
     finally:
         conn.close()
 

@@ -19,6 +19,7 @@ from torch_dataservice.serving import BackgroundLoop, start_grpc_server
 from torch_dataservice.worker import local
 from torch_dataservice.worker.data_port import DataPort
 from torch_dataservice.worker.service import WorkerService
+from torch_dataservice.worker.split_feed import FinishedSplit, Split
 from torch_dataservice.worker.tasks import TaskManager
 
 logger = logging.getLogger(__name__)
@@ -77,18 +78,24 @@ class WorkerServer:
         auth.check_bind(self._config.host)  # before any executor process is started
         self._tasks = TaskManager(self._dataset, self._get_split, self._report_completed,
                                   self._config.effective_num_processes,
-                                  forget_dataset=self._forget_dataset)
+                                  forget_dataset=self._forget_dataset,
+                                  split_prefetch=self._config.split_prefetch)
         self._tasks.cross_trainer_cache_bytes = self._config.cross_trainer_cache_bytes
         self._tasks.start()  # spawn executors before gRPC starts its threads
-        self._service = WorkerService(self._tasks, self._registered.is_set)
-        self._server, self._port = start_grpc_server(
-            self._service.register, self._config.host, self._config.port)
-        self._address = self._config.worker_address or f"{self._config.host}:{self._port}"
-        local.register(self._address, self._service)
-        # Elements also travel over a plain socket: gRPC caps big payloads (worker/data_port.py).
-        self._data_port = DataPort(self._service.fetch, self._registered.is_set,
-                                   self._config.host)
-        self._data_port.start()
+        try:
+            self._service = WorkerService(self._tasks, self._registered.is_set)
+            self._server, self._port = start_grpc_server(
+                self._service.register, self._config.host, self._config.port)
+            self._address = self._config.worker_address or f"{self._config.host}:{self._port}"
+            local.register(self._address, self._service)
+            # Elements also travel over a plain socket: gRPC caps big payloads
+            # (worker/data_port.py).
+            self._data_port = DataPort(self._service.fetch, self._registered.is_set,
+                                       self._config.host)
+            self._data_port.start()
+        except BaseException:
+            self._abort_start()
+            raise
         self._heartbeat = BackgroundLoop(
             "worker-heartbeat", self._config.effective_heartbeat_interval_ms / 1000,
             self._send_heartbeat)
@@ -101,6 +108,22 @@ class WorkerServer:
                 time.sleep(0.1)
         self._heartbeat.start()
         logger.info("worker serving at %s", self._address)
+
+    def _abort_start(self) -> None:
+        """Undo a start that failed half-way: no executor, server or socket stays behind."""
+        self._release(grace_s=0)
+
+    def _release(self, grace_s: float) -> None:
+        """Stop serving (replies under way get `grace_s`), then the data port and executors."""
+        if self._server is not None:
+            local.unregister(self._address)
+            self._server.stop(grace=grace_s).wait(5)
+            self._server = None
+        if self._data_port is not None:
+            self._data_port.stop()
+            self._data_port = None
+        if self._tasks is not None:
+            self._tasks.close()
 
     def _deadline_s(self) -> float:
         return self._config.effective_dispatcher_timeout_ms / 1000
@@ -144,29 +167,30 @@ class WorkerServer:
     def _forget_dataset(self, dataset_id: str) -> None:
         self._dataset_cache.pop(dataset_id, None)
 
-    def _get_split(self, task: common_pb2.TaskDef, repetition: int, replica: int = 0,
-                   request_id: int = -1, finished: tuple[int, int, int] | None = None
-                   ) -> tuple[int | None, tuple[int, ...], int]:
-        """The next split for a replica of `task`, the offsets of it to skip, and the split's
-        own repetition (older than `repetition` for a requeued split: see dispatcher/service.py).
+    def _get_split(self, task: common_pb2.TaskDef, repetition: int, replica: int,
+                   request_id: int, finished: list[FinishedSplit],
+                   max_splits: int = 1) -> list[Split]:
+        """Up to `max_splits` next splits for `task`'s split feed (worker/split_feed.py), in
+        order, reporting the splits it finished; none at the end of `repetition`'s splits.
 
         Retried until the dispatcher answers (it may be restarting, or ask us to wait for
         requeued splits); the request id makes a retry return the same split.
         """
         request = dispatcher_pb2.GetSplitRequest(
             iteration_id=task.iteration_id, repetition=repetition, task_id=task.task_id,
-            replica=replica, request_id=request_id + 1)
-        if finished is not None:
-            request.has_finished_split = True
-            request.finished_split.repetition, request.finished_split.index = finished[:2]
-            request.finished_split_elements = finished[2]
+            replica=replica, request_id=request_id + 1, max_splits=max_splits)
+        for split_repetition, index, elements in finished:
+            request.finished_splits.add(elements=elements).split.CopyFrom(
+                common_pb2.SplitKey(repetition=split_repetition, index=index))
         response = retry(lambda: self._dispatcher.GetSplit(request, timeout=10),
                          description="GetSplit", deadline_s=self._deadline_s(),
                          stop=self._stopped)
         if response.end_of_splits:
-            return None, (), repetition
-        split_repetition = response.repetition if response.HasField("repetition") else repetition
-        return response.split_index, tuple(response.skip_offsets), split_repetition
+            return []
+        # A requeued split keeps its own (maybe older) repetition: see dispatcher/service.py.
+        return [Split(r.split_index, tuple(r.skip_offsets),
+                      r.repetition if r.HasField("repetition") else repetition)
+                for r in (response, *response.following)]
 
     def _report_completed(self, task_id: int) -> None:
         def report() -> None:
@@ -185,16 +209,9 @@ class WorkerServer:
         if self._server is None:
             return
         self._stopped.set()
-        local.unregister(self._address)
         if self._heartbeat is not None:
             self._heartbeat.stop()
-        self._server.stop(grace=0.5).wait(5)
-        if self._data_port is not None:
-            self._data_port.stop()
-            self._data_port = None
-        if self._tasks is not None:
-            self._tasks.close()
-        self._server = None
+        self._release(grace_s=0.5)
 
     def join(self, timeout: float | None = None) -> bool:
         """Block until `stop()` or until the dispatcher refused this worker."""

@@ -10,6 +10,7 @@ import grpc
 
 from torch_dataservice.proto import worker_pb2
 from torch_dataservice.wire import frame
+from torch_dataservice.worker.local import encode_elements
 from torch_dataservice.worker.tasks import TaskManager
 
 logger = logging.getLogger(__name__)
@@ -23,10 +24,16 @@ class WorkerService:
         self._tasks = tasks
         self._is_registered = is_registered
 
-    def fetch(self, request: worker_pb2.GetElementsRequest) -> tuple[
-            worker_pb2.ElementBatchHeader, list[bytes]]:
-        """The elements for one GetElements request (also used by in-process readers)."""
+    def fetch(self, request: worker_pb2.GetElementsRequest, local: bool = False) -> tuple[
+            worker_pb2.ElementBatchHeader, list]:
+        """The elements for one GetElements request, as payloads for the wire (gRPC, the data
+        port) or, with `local` (an in-process reader), as they are buffered: elements of an
+        executor thread then stay the objects themselves (worker/local.py, `LocalElement`)."""
         elements, end, error = self._tasks.fetch(request, FETCH_WAIT_S)
+        if not local:
+            failed = encode_elements(elements)  # encoded here, by this reader's thread
+            if failed is not None:
+                end, error = False, failed
         header = worker_pb2.ElementBatchHeader(end_of_sequence=end)
         for element in elements:
             info = header.elements.add(offset=element.offset)

@@ -18,11 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch_dataservice.errors import ServiceUnavailableError
 from torch_dataservice.proto import common_pb2
 from torch_dataservice.worker.executor import ExecutorPool
 from torch_dataservice.worker.executor_process import ReplicaKey
+from torch_dataservice.worker.local import encode_elements, payload_nbytes
 from torch_dataservice.worker.runners import CachingRunner, RoundRobinRunner, TakeResult
+from torch_dataservice.worker.split_feed import FinishedSplit, Split, SplitFeed
 from torch_dataservice.worker.splits import LocalSplitCursor
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ CREDITS_PER_REPLICA = 1024
 
 @dataclass
 class BufferedElement:
-    payload: bytes
+    payload: Any  # encoded bytes, or a LocalElement (an object: worker/local.py)
     split: tuple[int, int] | None
     offset: int
     replica: int
@@ -88,6 +89,7 @@ class Task:
     ended_replicas: set[int] = field(default_factory=set)
     error: tuple[str, str, str] | None = None
     local_cursor: LocalSplitCursor | None = None
+    split_feed: SplitFeed | None = None  # DYNAMIC: the dispatcher's splits, asked ahead
     started: bool = False
     # The datasets its replicas were started from: its own and those it depends on.
     datasets: list[str] = field(default_factory=list)
@@ -109,13 +111,15 @@ class TaskManager:
     def __init__(
         self,
         get_dataset: Callable[[str], common_pb2.DatasetDef],
-        # (task, repetition, replica, request id, finished split)
-        #   -> (index, skip offsets, the split's own repetition)
-        get_split: Callable[..., tuple[int | None, Any]],
+        # (task, repetition, replica, request id, finished splits, max splits)
+        #   -> the splits handed out, in order (none: end of the repetition's splits)
+        get_split: Callable[[common_pb2.TaskDef, int, int, int, list[FinishedSplit], int],
+                            list[Split]],
         report_completed: Callable[[int], None],
         num_executors: int,
         # The front's cache of dataset definitions: drop one (see _release_unused).
         forget_dataset: Callable[[str], None] = lambda dataset_id: None,
+        split_prefetch: int = 4,  # WorkerConfig.split_prefetch
     ) -> None:
         self._get_dataset = get_dataset
         self._forget_dataset = forget_dataset
@@ -126,6 +130,7 @@ class TaskManager:
         self._finished: set[int] = set()
         self._executors = ExecutorPool(num_executors, self)
         self._split_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="get-split")
+        self._split_prefetch = split_prefetch
         self.cross_trainer_cache_bytes = 1 << 30  # WorkerConfig.cross_trainer_cache_bytes
 
     def start(self) -> None:
@@ -156,6 +161,8 @@ class TaskManager:
             self._finished.discard(task_id)
         if task is not None:
             self._stop_replicas(task)
+            if task.split_feed is not None:
+                task.split_feed.close()
             with task.cond:
                 task.buffer.clear()
                 task.cond.notify_all()
@@ -212,6 +219,10 @@ class TaskManager:
             plans, local_splits = plan_replicas(definition, dataset, self._executors.size)
             if local_splits:
                 task.local_cursor = LocalSplitCursor(dataset.num_splits)
+            elif any(plan.use_splits for plan in plans):
+                task.split_feed = SplitFeed(
+                    functools.partial(self._get_split, definition), self._split_pool,
+                    self._split_prefetch)
             compression = "AUTO" if definition.compression else None
             task.replicas = [index % self._executors.size for index in range(len(plans))]
             task.started = True
@@ -258,10 +269,18 @@ class TaskManager:
                 def take(max_elements: int, max_bytes: int, wait_s: float) -> TakeResult:
                     return self.get_elements(task.task_id, max_elements, max_bytes, wait_s)
 
+                def take_encoded(max_elements: int, max_bytes: int,
+                                 wait_s: float) -> TakeResult:
+                    # The cache serves an element to several trainers, which must not share
+                    # one object: it keeps payloads, and each reader decodes its own copy.
+                    elements, end, error = take(max_elements, max_bytes, wait_s)
+                    failed = encode_elements(elements)
+                    return (elements, False, failed) if failed else (elements, end, error)
+
                 if definition.HasField("num_consumers"):
                     task.runner = RoundRobinRunner(definition.num_consumers, take)
                 else:
-                    task.runner = CachingRunner(self.cross_trainer_cache_bytes, take)
+                    task.runner = CachingRunner(self.cross_trainer_cache_bytes, take_encoded)
             return task.runner
 
     def get_elements(self, task_id: int, max_elements: int, max_bytes: int,
@@ -291,7 +310,7 @@ class TaskManager:
             while task.buffer and len(taken) < max_elements and (not taken or size < max_bytes):
                 element = task.buffer.popleft()
                 taken.append(element)
-                size += len(element.payload)
+                size += payload_nbytes(element.payload)
             error = task.error if not task.buffer else None
             end = task.exhausted() and error is None
             first_completion = end and not task.completed
@@ -312,7 +331,7 @@ class TaskManager:
         return self.get(key[0])
 
     def on_element(self, key: ReplicaKey, split: tuple[int, int] | None, offset: int,
-                   payload: bytes) -> None:
+                   payload: Any) -> None:
         task = self._task_for(key)
         if task is None:
             return
@@ -350,21 +369,19 @@ class TaskManager:
             index = task.local_cursor.next(repetition)
             self._executors.send(slot, ("split", key, request_id, index, 0))
             return
+        if task.split_feed is None:
+            self.on_error(key, "RuntimeError", "this task takes no splits", "")
+            return
 
-        def fetch() -> None:
-            try:
-                index, skip, split_repetition = self._get_split(
-                    task.definition, repetition, key[1], request_id, finished)
-            except ServiceUnavailableError as error:
-                self.on_error(key, "ServiceUnavailableError", str(error), "")
-                return
-            except Exception as error:
-                self.on_error(key, type(error).__name__, f"GetSplit failed: {error}", "")
-                return
-            self._executors.send(slot, ("split", key, request_id, index, skip,
-                                        split_repetition))
+        def reply(split: Split | None) -> None:
+            if split is None:
+                self._executors.send(slot, ("split", key, request_id, None, (), repetition))
+            else:
+                self._executors.send(slot, ("split", key, request_id, split.index, split.skip,
+                                            split.repetition))
 
-        self._split_pool.submit(fetch)
+        task.split_feed.request(repetition, finished, reply,
+                                lambda kind, message: self.on_error(key, kind, message, ""))
 
     def on_executor_lost(self, slot: int) -> None:
         with self._lock:

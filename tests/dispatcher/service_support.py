@@ -1,0 +1,35 @@
+"""A DispatcherService driven by hand: a settable clock, a context whose abort raises."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch_dataservice.config import DispatcherConfig
+from torch_dataservice.dispatcher.file_journal import FileJournal
+from torch_dataservice.dispatcher.journal import NullJournal
+from torch_dataservice.dispatcher.service import DispatcherService
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Context:
+    """What a handler's `context.abort(code, details)` does, as an exception to assert on."""
+
+    def abort(self, code: Any, details: str) -> None:
+        raise RuntimeError(f"{code.name}: {details}")
+
+
+def make_service(clock: Clock, work_dir: Path | None = None,
+                 **config: Any) -> DispatcherService:
+    """A service with a journal in `work_dir` (fault-tolerant mode), or none."""
+    journal = FileJournal(work_dir) if work_dir else NullJournal()
+    return DispatcherService(DispatcherConfig(
+        fault_tolerant_mode=work_dir is not None, work_dir=str(work_dir) if work_dir else None,
+        **config), journal, clock=clock)

@@ -1,0 +1,153 @@
+"""SplitFeed on its own, against a fake dispatcher cursor (the real one is covered by the
+DYNAMIC integration and exactly-once tests, which all run through the feed)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from torch_dataservice.errors import ServiceUnavailableError
+from torch_dataservice.worker.split_feed import FEED_REPLICA, Split, SplitFeed
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class FakeDispatcher:
+    """`num_splits` splits per repetition; records every call; can fail."""
+
+    def __init__(self, num_splits: int, delay_s: float = 0.0) -> None:
+        self.num_splits = num_splits
+        self.delay_s = delay_s
+        self.cursor = (0, 0)
+        self.calls: list[tuple[int, int, int, list, int]] = []
+        self.reported: list[tuple[int, int, int]] = []
+        self.lock = threading.Lock()
+        self.error: Exception | None = None
+        self.in_flight = 0
+        self.overlap = False
+
+    def fetch(self, repetition: int, replica: int, request_id: int, finished: list,
+              max_splits: int) -> list[Split]:
+        with self.lock:
+            self.overlap |= self.in_flight > 0
+            self.in_flight += 1
+            self.calls.append((repetition, replica, request_id, list(finished), max_splits))
+        time.sleep(self.delay_s)
+        with self.lock:
+            self.in_flight -= 1
+            if self.error is not None:
+                raise self.error
+            self.reported += finished
+            granted = []
+            for _ in range(max_splits):
+                cursor_repetition, index = self.cursor
+                if repetition < cursor_repetition:
+                    break
+                if repetition > cursor_repetition:
+                    index = 0
+                if index >= self.num_splits:
+                    self.cursor = (repetition, index)
+                    break
+                self.cursor = (repetition, index + 1)
+                granted.append(Split(index, (), repetition))
+            return granted
+
+
+def ask(feed: SplitFeed, repetition: int, finished=None, timeout: float = 10):
+    answers: queue.Queue = queue.Queue()
+    feed.request(repetition, finished, answers.put,
+                 lambda kind, message: answers.put(RuntimeError(f"{kind}: {message}")))
+    answer = answers.get(timeout=timeout)
+    if isinstance(answer, Exception):
+        raise answer
+    return answer
+
+
+@pytest.fixture
+def pool():
+    with ThreadPoolExecutor(max_workers=8) as executor:
+        yield executor
+
+
+def test_asks_ahead_in_one_request_and_answers_from_stock(pool) -> None:
+    dispatcher = FakeDispatcher(num_splits=10)
+    feed = SplitFeed(dispatcher.fetch, pool, depth=2)
+    assert ask(feed, 0).index == 0
+    # One request for the replica that asked and two more kept ahead of need.
+    assert [(c[1], c[4]) for c in dispatcher.calls] == [(FEED_REPLICA, 3)]
+    assert [ask(feed, 0).index for _ in range(2)] == [1, 2]  # from stock, in cursor order
+    deadline = time.monotonic() + 5
+    while len(dispatcher.calls) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(dispatcher.calls) >= 2, "the stock was not refilled"
+
+
+def test_depth_zero_fetches_only_on_demand(pool) -> None:
+    dispatcher = FakeDispatcher(num_splits=10)
+    feed = SplitFeed(dispatcher.fetch, pool, depth=0)
+    for expected in range(3):
+        assert ask(feed, 0).index == expected
+    time.sleep(0.1)
+    assert [c[4] for c in dispatcher.calls] == [1, 1, 1]
+
+
+def test_every_split_once_in_order_and_end_only_after_the_last_report(pool) -> None:
+    dispatcher = FakeDispatcher(num_splits=40, delay_s=0.002)
+    feed = SplitFeed(dispatcher.fetch, pool, depth=3)
+    got: list[list[int]] = [[], [], []]
+    failures: list[str] = []
+
+    def replica(i: int) -> None:
+        finished = None
+        while (split := ask(feed, 0, finished)) is not None:
+            got[i].append(split.index)
+            finished = (split.repetition, split.index, 7)
+        with dispatcher.lock:  # told "no more" only once the dispatcher has every report
+            if len(dispatcher.reported) != sum(len(g) for g in got):
+                failures.append(f"replica {i} ended before every report was sent")
+
+    threads = [threading.Thread(target=replica, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=20)
+    assert not failures, failures
+    assert sorted(i for g in got for i in g) == list(range(40))
+    for g in got:  # each replica's splits come in cursor order
+        assert g == sorted(g)
+    assert sorted(index for _, index, _ in dispatcher.reported) == list(range(40))
+    assert not dispatcher.overlap, "two requests in flight (a retry could misfire)"
+    assert any(c[4] > 1 for c in dispatcher.calls), "never asked for several splits"
+    # Request ids count up, so the dispatcher can recognise a retry.
+    assert [c[2] for c in dispatcher.calls] == list(range(len(dispatcher.calls)))
+    assert len(dispatcher.calls) < 40, "one request per split: nothing was batched"
+
+
+def test_next_repetition_after_the_end_of_one(pool) -> None:
+    dispatcher = FakeDispatcher(num_splits=2)
+    feed = SplitFeed(dispatcher.fetch, pool, depth=2)
+    first = [ask(feed, 0), ask(feed, 0)]
+    assert [s.index for s in first] == [0, 1]
+    assert ask(feed, 0, (0, 1, 3)) is None
+    second = [ask(feed, 1), ask(feed, 1)]
+    assert [(s.repetition, s.index) for s in second] == [(1, 0), (1, 1)]
+    assert ask(feed, 1, (1, 1, 3)) is None
+
+
+def test_a_failed_fetch_fails_the_waiting_replica(pool) -> None:
+    dispatcher = FakeDispatcher(num_splits=5)
+    dispatcher.error = ServiceUnavailableError("dispatcher gone")
+    feed = SplitFeed(dispatcher.fetch, pool, depth=1)
+    with pytest.raises(RuntimeError, match="ServiceUnavailableError: dispatcher gone"):
+        ask(feed, 0)
+    with pytest.raises(RuntimeError, match="dispatcher gone"):  # and later ones too
+        ask(feed, 0)
+
+
+def test_negative_depth_is_a_value_error(pool) -> None:
+    with pytest.raises(ValueError, match="-1"):
+        SplitFeed(lambda *a: [], pool, depth=-1)

@@ -1,0 +1,186 @@
+"""DispatcherState <-> `DispatcherSnapshot` (protos/.../snapshot.proto), for journal compaction.
+
+A protobuf snapshot, unlike the pickle it replaces, is read by any later version that knows its
+`schema_version`, and reading it executes nothing. `COVERED` names every dataclass field mapped
+here; tests/dispatcher/test_snapshot.py fails when a state field is missing from it.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from google.protobuf.message import DecodeError
+
+from torch_dataservice.dispatcher.state import (
+    Dataset,
+    DispatcherState,
+    InvalidTransition,
+    Iteration,
+    Job,
+    RequeuedSplit,
+    Task,
+    Worker,
+)
+from torch_dataservice.proto import common_pb2, snapshot_pb2
+
+DispatcherSnapshot = snapshot_pb2.DispatcherSnapshot
+_S = DispatcherSnapshot
+
+# Raise when a change would make an older reader misread a snapshot (and teach from_proto to
+# read the older versions still found on disk).
+SCHEMA_VERSION = 1
+
+# The fields of each state dataclass that to_proto and from_proto carry: extend both, the proto
+# and this table when adding a field to state.py.
+COVERED: dict[type, tuple[str, ...]] = {
+    Dataset: ("dataset_id", "definition"),
+    Worker: ("address", "uid", "index", "host_id", "process_id", "task_ids", "data_port",
+             "data_socket"),
+    Job: ("job_id", "name", "config"),
+    Task: ("task_id", "iteration_id", "worker_address", "starting_round", "finished", "lost",
+           "splits", "last_split"),
+    RequeuedSplit: ("repetition", "index", "delivered_offsets"),
+    Iteration: ("iteration_id", "job_id", "repetition", "task_ids", "client_ids",
+                "garbage_collected", "cursor_repetition", "cursor_index", "requeued",
+                "delivered", "produced", "removals"),
+    DispatcherState: ("datasets", "dataset_by_fingerprint", "workers", "jobs", "job_by_name",
+                      "iterations", "iteration_by_key", "tasks", "clients", "next_ids"),
+}
+
+
+class UnsupportedSnapshot(InvalidTransition):
+    """A snapshot this version cannot read: newer schema, or not a DispatcherSnapshot at all."""
+
+
+def _key(key: tuple[int, int]) -> common_pb2.SplitKey:
+    return common_pb2.SplitKey(repetition=key[0], index=key[1])
+
+
+def _task(task: Task) -> snapshot_pb2.DispatcherSnapshot.Task:
+    return _S.Task(
+        task_id=task.task_id, iteration_id=task.iteration_id,
+        worker_address=task.worker_address, starting_round=task.starting_round,
+        finished=task.finished, lost=task.lost,
+        splits=[_key(key) for key in sorted(task.splits)],
+        last_split=[_S.LastSplit(replica=replica, request_id=request_id,
+                                 splits=[_key(key) for key in keys])
+                    for replica, (request_id, keys) in task.last_split.items()],
+    )
+
+
+def _iteration(it: Iteration) -> snapshot_pb2.DispatcherSnapshot.Iteration:
+    return _S.Iteration(
+        iteration_id=it.iteration_id, job_id=it.job_id, repetition=it.repetition,
+        task_ids=it.task_ids, client_ids=sorted(it.client_ids),
+        garbage_collected=it.garbage_collected,
+        cursor_repetition=it.cursor_repetition, cursor_index=it.cursor_index,
+        requeued=[_S.RequeuedSplit(split=_key((r.repetition, r.index)),
+                                   delivered_offsets=sorted(r.delivered_offsets))
+                  for r in it.requeued],
+        delivered=[_S.DeliveredSplit(split=_key(key), offsets=sorted(offsets))
+                   for key, offsets in it.delivered.items()],
+        produced=[_S.ProducedSplit(split=_key(key), num_elements=n)
+                  for key, n in it.produced.items()],
+        removals=[common_pb2.RemovedTasks(round=r, task_ids=tasks) for r, tasks in it.removals],
+    )
+
+
+def to_proto(state: DispatcherState) -> DispatcherSnapshot:
+    """The whole of `state` as a message (copies: later changes to `state` do not show)."""
+    return DispatcherSnapshot(
+        schema_version=SCHEMA_VERSION,
+        datasets=[_S.Dataset(dataset_id=d.dataset_id, definition=d.definition)
+                  for d in state.datasets.values()],
+        dataset_by_fingerprint=[_S.FingerprintEntry(fingerprint=f, dataset_id=d)
+                                for f, d in state.dataset_by_fingerprint.items()],
+        workers=[_S.Worker(address=w.address, uid=w.uid, index=w.index, host_id=w.host_id,
+                           process_id=w.process_id, task_ids=sorted(w.task_ids),
+                           data_port=w.data_port, data_socket=w.data_socket)
+                 for w in state.workers.values()],
+        jobs=[_S.Job(job_id=j.job_id, name=j.name, config=j.config)
+              for j in state.jobs.values()],
+        job_by_name=[_S.JobNameEntry(name=n, job_id=j) for n, j in state.job_by_name.items()],
+        iterations=[_iteration(it) for it in state.iterations.values()],
+        iteration_by_key=[_S.IterationKeyEntry(job_id=job_id, repetition=repetition,
+                                               iteration_id=iteration_id)
+                          for (job_id, repetition), iteration_id
+                          in state.iteration_by_key.items()],
+        tasks=[_task(t) for t in state.tasks.values()],
+        clients=[_S.ClientEntry(client_id=c, iteration_id=i) for c, i in state.clients.items()],
+        next_ids=[_S.NextIdEntry(kind=k, next_id=n) for k, n in state.next_ids.items()],
+    )
+
+
+def _split(key: common_pb2.SplitKey) -> tuple[int, int]:
+    return key.repetition, key.index
+
+
+_Config = TypeVar("_Config", common_pb2.DatasetDef, common_pb2.JobConfig)
+
+
+def _copy(message: _Config) -> _Config:
+    copied = type(message)()
+    copied.CopyFrom(message)
+    return copied
+
+
+def from_proto(msg: DispatcherSnapshot) -> DispatcherState:
+    """The state `msg` holds; UnsupportedSnapshot if it is not a version this code reads."""
+    if msg.schema_version == 0:
+        raise UnsupportedSnapshot("dispatcher snapshot has no schema version: not a "
+                                  "DispatcherSnapshot (a pickled one from an older release?)")
+    if msg.schema_version > SCHEMA_VERSION:
+        raise UnsupportedSnapshot(
+            f"dispatcher snapshot has schema version {msg.schema_version}, newer than the "
+            f"{SCHEMA_VERSION} this torch_dataservice reads: it was written by a newer version")
+    state = DispatcherState()
+    for d in msg.datasets:
+        state.datasets[d.dataset_id] = Dataset(d.dataset_id, _copy(d.definition))
+    for f in msg.dataset_by_fingerprint:
+        state.dataset_by_fingerprint[f.fingerprint] = f.dataset_id
+    for w in msg.workers:
+        state.workers[w.address] = Worker(
+            w.address, w.uid, w.index, w.host_id, w.process_id, task_ids=set(w.task_ids),
+            data_port=w.data_port, data_socket=w.data_socket)
+    for j in msg.jobs:
+        state.jobs[j.job_id] = Job(j.job_id, j.name, _copy(j.config))
+    for n in msg.job_by_name:
+        state.job_by_name[n.name] = n.job_id
+    for it in msg.iterations:
+        state.iterations[it.iteration_id] = Iteration(
+            it.iteration_id, it.job_id, it.repetition, task_ids=list(it.task_ids),
+            client_ids=set(it.client_ids), garbage_collected=it.garbage_collected,
+            cursor_repetition=it.cursor_repetition, cursor_index=it.cursor_index,
+            requeued=[RequeuedSplit(r.split.repetition, r.split.index,
+                                    frozenset(r.delivered_offsets)) for r in it.requeued],
+            delivered={_split(d.split): set(d.offsets) for d in it.delivered},
+            produced={_split(p.split): p.num_elements for p in it.produced},
+            removals=[(r.round, tuple(r.task_ids)) for r in it.removals],
+        )
+    for k in msg.iteration_by_key:
+        state.iteration_by_key[(k.job_id, k.repetition)] = k.iteration_id
+    for t in msg.tasks:
+        state.tasks[t.task_id] = Task(
+            t.task_id, t.iteration_id, t.worker_address, starting_round=t.starting_round,
+            finished=t.finished, lost=t.lost, splits={_split(s) for s in t.splits},
+            last_split={s.replica: (s.request_id, tuple(_split(k) for k in s.splits))
+                        for s in t.last_split},
+        )
+    for c in msg.clients:
+        state.clients[c.client_id] = c.iteration_id
+    for i in msg.next_ids:
+        state.next_ids[i.kind] = i.next_id
+    return state
+
+
+def to_bytes(state: DispatcherState) -> bytes:
+    return to_proto(state).SerializeToString()
+
+
+def from_bytes(data: bytes) -> DispatcherState:
+    """`from_proto` of serialized bytes; UnsupportedSnapshot if they are not a snapshot."""
+    try:
+        msg = DispatcherSnapshot.FromString(data)
+    except DecodeError as e:
+        raise UnsupportedSnapshot(f"dispatcher snapshot does not parse: {e}") from None
+    return from_proto(msg)

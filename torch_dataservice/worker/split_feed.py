@@ -1,0 +1,172 @@
+"""A task's DYNAMIC splits, asked of the dispatcher ahead of need and several at a time.
+
+Without it a replica waits a whole GetSplit round trip (and, in fault-tolerant mode, the
+dispatcher's fsync) between two splits. The feed keeps `depth` splits in stock per task beyond
+what replicas are waiting for, and refills it with one GetSplit for as many splits as are
+missing (`max_splits`): the dispatcher hands them in cursor order under one journal sync, so a
+round trip and an fsync are paid per batch of splits, not per split, and one task's splits
+are still produced in the order the cursor hands them out.
+
+One request is in flight per task at a time, under the feed's own replica id with increasing
+request numbers, so a request retried after a lost reply gets the same splits back (the
+dispatcher remembers its last answer per replica id). Splits a replica finished are reported
+with the next request; a replica is told "no more splits" only after a request that carried
+every report so far came back with end of splits, so the end of a repetition is known to the
+dispatcher exactly as it was without the feed (see dispatcher/service.py, exactly-once).
+
+Splits in stock are held by the task on the dispatcher like any other: if the worker dies
+they are requeued, and a garbage-collected iteration hands them on.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+from torch_dataservice.errors import ServiceUnavailableError
+
+logger = logging.getLogger(__name__)
+
+# The feed's replica id in GetSplit (executor replicas would use 0, 1, ...).
+FEED_REPLICA = 1 << 20
+
+FinishedSplit = tuple[int, int, int]  # (repetition, index, elements produced)
+
+
+@dataclass(frozen=True)
+class Split:
+    index: int
+    skip: tuple[int, ...]
+    repetition: int
+
+
+# (repetition asked for, replica id, request id, finished splits, max splits)
+#   -> the splits handed out, in order; empty at the end of the repetition's splits
+FetchSplits = Callable[[int, int, int, list[FinishedSplit], int], "list[Split]"]
+# Reply to a replica's request: a split, or None for "no more splits in its repetition".
+Reply = Callable[["Split | None"], None]
+# The feed failed (the dispatcher stayed unreachable, or refused): (type, message)
+Fail = Callable[[str, str], None]
+
+
+@dataclass
+class _Waiter:
+    repetition: int
+    reply: Reply
+    fail: Fail
+
+
+class SplitFeed:
+    def __init__(self, fetch: FetchSplits, pool: Executor, depth: int) -> None:
+        if depth < 0:
+            raise ValueError(f"split prefetch depth must be >= 0, got {depth!r}")
+        self._fetch = fetch
+        self._pool = pool
+        self._depth = depth
+        self._lock = threading.Lock()
+        self._stock: deque[Split] = deque()
+        self._waiters: deque[_Waiter] = deque()
+        self._reports: list[FinishedSplit] = []
+        self._request_id = -1
+        self._in_flight = False
+        self._wanted_repetition = 0  # the newest repetition any replica asked for
+        self._ended_repetition = -1  # the dispatcher said "no more splits" up to this one
+        self._error: tuple[str, str] | None = None
+        self._closed = False
+
+    def request(self, repetition: int, finished: FinishedSplit | None,
+                reply: Reply, fail: Fail) -> None:
+        """A replica wants its next split of `repetition`, having finished `finished`."""
+        with self._lock:
+            if finished is not None:
+                self._reports.append(finished)
+            self._wanted_repetition = max(self._wanted_repetition, repetition)
+            self._waiters.append(_Waiter(repetition, reply, fail))
+            actions = self._settle_locked()
+        _run(actions)
+
+    def close(self) -> None:
+        """Stop asking for splits (the task is deleted); waiting replicas are not answered."""
+        with self._lock:
+            self._closed = True
+            self._waiters.clear()
+
+    # ------------------------------------------------------------------ under the lock
+    def _settle_locked(self) -> list[Callable[[], None]]:
+        """Answer the waiters that can be answered, then start the fetch still needed."""
+        actions: list[Callable[[], None]] = []
+        if self._closed:
+            return actions
+        if self._error is not None:
+            kind, message = self._error
+            while self._waiters:
+                waiter = self._waiters.popleft()
+                actions.append(lambda w=waiter: w.fail(kind, message))
+            return actions
+        while self._waiters:
+            waiter = self._waiters[0]
+            if self._stock:
+                split = self._stock.popleft()
+                actions.append(lambda w=waiter, s=split: w.reply(s))
+            elif (self._ended_repetition >= waiter.repetition and not self._reports
+                  and not self._in_flight):
+                actions.append(lambda w=waiter: w.reply(None))
+            else:
+                break
+            self._waiters.popleft()
+        if self._in_flight:
+            return actions
+        ended = self._ended_repetition >= self._wanted_repetition
+        missing = len(self._waiters) + self._depth - len(self._stock)
+        # Before the end, reports ride on the next fetch (a replica that reports also asks,
+        # so one comes soon). After it they still go out, with a request the dispatcher
+        # answers with end again (or a requeued split); waiters wait for that.
+        if (not ended and missing > 0) or (ended and self._reports):
+            self._in_flight = True
+            self._request_id += 1
+            reports, self._reports = self._reports, []
+            actions.append(functools.partial(
+                self._submit, self._wanted_repetition, self._request_id, reports,
+                max(1, missing)))
+        return actions
+
+    # ------------------------------------------------------------------ fetching
+    def _submit(self, repetition: int, request_id: int, reports: list[FinishedSplit],
+                max_splits: int) -> None:
+        try:
+            self._pool.submit(self._run_fetch, repetition, request_id, reports, max_splits)
+        except RuntimeError:  # the pool is shut down: the worker is stopping
+            with self._lock:
+                self._in_flight = False
+
+    def _run_fetch(self, repetition: int, request_id: int, reports: list[FinishedSplit],
+                   max_splits: int) -> None:
+        error: tuple[str, str] | None = None
+        splits: list[Split] = []
+        try:
+            splits = self._fetch(repetition, FEED_REPLICA, request_id, reports, max_splits)
+        except ServiceUnavailableError as exc:
+            error = ("ServiceUnavailableError", str(exc))
+        except Exception as exc:  # noqa: BLE001 - reported to the replicas that wait
+            logger.warning("GetSplit failed: %s: %s", type(exc).__name__, exc)
+            error = (type(exc).__name__, f"GetSplit failed: {exc}")
+        with self._lock:
+            self._in_flight = False
+            if error is not None:
+                self._error = self._error or error
+            elif not splits:
+                self._ended_repetition = max(self._ended_repetition, repetition)
+            else:
+                self._stock.extend(splits)
+            actions = self._settle_locked()
+        _run(actions)
+
+
+def _run(actions: list[Callable[[], None]]) -> None:
+    for action in actions:
+        action()
