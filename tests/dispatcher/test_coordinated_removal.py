@@ -33,9 +33,10 @@ def start_job(service: DispatcherService, workers=("a:1", "b:1", "c:1"),
 
 
 def beat(service: DispatcherService, client_id: int, consumer: int,
-         blocked_round: int | None = None, seen: int = 0) -> pb.ClientHeartbeatResponse:
+         blocked_round: int | None = None, seen: int = 0,
+         done: bool = False) -> pb.ClientHeartbeatResponse:
     request = pb.ClientHeartbeatRequest(client_id=client_id, consumer_index=consumer,
-                                        removals_seen=seen)
+                                        removals_seen=seen, consumer_done=done)
     if blocked_round is not None:
         request.blocked_round = blocked_round
     return service.ClientHeartbeat(request, None)
@@ -99,3 +100,20 @@ def test_removal_decisions_survive_a_dispatcher_restart(tmp_path: Path) -> None:
     assert restarted.state.iteration(iteration_id).removals == [(6, (tasks[1],))]
     reply = beat(restarted, clients[0], 0)
     assert [(r.round, list(r.task_ids)) for r in reply.removals] == [(6, [tasks[1]])]
+
+
+def test_a_consumer_that_read_its_last_round_does_not_hold_the_others() -> None:
+    clock = Clock()
+    service = make_service(clock, worker_timeout_ms=1000)
+    iteration_id, tasks, clients = start_job(service)
+    # Consumer 1 ended at round 9 (it read the lost task's rounds before the worker died).
+    beat(service, clients[1], 1, blocked_round=9, done=True)
+    service.ReleaseIterationClient(pb.ReleaseIterationClientRequest(client_id=clients[1]), None)
+    lose(service, clock, "b:1", alive=("a:1", "c:1"))
+    reply = beat(service, clients[0], 0, blocked_round=4)
+    assert [(r.round, list(r.task_ids)) for r in reply.removals] == [(9, [tasks[1]])]
+    # It keeps counting for a later loss, whatever removals it had seen.
+    lose(service, clock, "c:1", alive=("a:1",))
+    reply = beat(service, clients[0], 0, blocked_round=9, seen=1)
+    assert [(r.round, list(r.task_ids)) for r in reply.removals] == [
+        (9, [tasks[1]]), (9, [tasks[2]])]

@@ -177,6 +177,7 @@ class IterationReader:
         self._lost_tasks: set[int] = set()
         self._removals: list[tuple[int, frozenset[int]]] = []
         self._blocked_round: int | None = None
+        self._consumer_done = False  # read its last round (reported with _blocked_round)
         self._skipped_tasks = False  # some tasks are not read here (LOCAL)
         self._trainer_id = trainer_id
         self._connect_timeout_s = connect_timeout_s
@@ -245,6 +246,7 @@ class IterationReader:
                 if self._blocked_round is not None:
                     request.blocked_round = self._blocked_round
                     request.removals_seen = len(self._removals)
+                    request.consumer_done = self._consumer_done
         for (repetition, index), offsets in unreported.items():
             request.received.add(split=common_pb2.SplitKey(repetition=repetition, index=index),
                                  offsets=offsets)
@@ -478,6 +480,11 @@ class IterationReader:
                         "coordinated reads: every worker of the job was lost"))
                     return
             if not active:
+                with self._lock:
+                    # Tell the dispatcher where we ended, for good: a consumer still stopped
+                    # on a lost task must not wait for this one (see _wait_for_removal).
+                    self._blocked_round, self._consumer_done = round_index, True
+                self._heartbeat()
                 with self._lock:
                     self._coordinated_finished = True
                     self._lock.notify_all()

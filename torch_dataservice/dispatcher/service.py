@@ -69,6 +69,7 @@ logger = logging.getLogger(__name__)
 
 Update = dispatcher_pb2.Update
 STATIC_POLICIES = {2: "FILE", 3: "DATA", 4: "FILE_OR_DATA", 5: "HINT"}
+DONE = -1  # coordinated reads: a consumer's "removals seen" once it read its last round
 POLICY_NAMES = {0: "OFF", 1: "DYNAMIC", **STATIC_POLICIES}
 
 
@@ -347,10 +348,12 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         if not request.HasField("blocked_round"):
             blocked.pop(request.consumer_index, None)
             return
-        blocked[request.consumer_index] = (request.blocked_round, request.removals_seen)
+        # A consumer that read its last round counts as stopped there whatever it has seen.
+        seen = DONE if request.consumer_done else request.removals_seen
+        blocked[request.consumer_index] = (request.blocked_round, seen)
         num_consumers = self._state.job(iteration.job_id).config.num_consumers
         current = {consumer: round_index for consumer, (round_index, seen) in blocked.items()
-                   if seen == len(iteration.removals)}
+                   if seen in (DONE, len(iteration.removals))}
         if set(current) != set(range(num_consumers)):
             return
         removed = {t for _, task_ids in iteration.removals for t in task_ids}
@@ -365,7 +368,8 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         self._apply(Update(remove_round_tasks=dispatcher_pb2.RemoveRoundTasks(
             iteration_id=iteration.iteration_id,
             removal=common_pb2.RemovedTasks(round=removal_round, task_ids=lost))))
-        blocked.clear()
+        for consumer in [c for c, (_, seen) in blocked.items() if seen != DONE]:
+            del blocked[consumer]  # they report again if they stop again
 
     def _coordinated(self, iteration: Iteration) -> bool:
         """Coordinated reads: the iteration's task set is fixed once it has tasks.

@@ -62,20 +62,22 @@ class GetOrCreateIterationResponse(_message.Message):
     def __init__(self, iteration_id: _Optional[int] = ..., client_id: _Optional[int] = ...) -> None: ...
 
 class ClientHeartbeatRequest(_message.Message):
-    __slots__ = ("client_id", "current_round", "received", "blocked_round", "consumer_index", "removals_seen")
+    __slots__ = ("client_id", "current_round", "received", "blocked_round", "consumer_index", "removals_seen", "consumer_done")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_FIELD_NUMBER: _ClassVar[int]
     BLOCKED_ROUND_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_INDEX_FIELD_NUMBER: _ClassVar[int]
     REMOVALS_SEEN_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_DONE_FIELD_NUMBER: _ClassVar[int]
     client_id: int
     current_round: int
     received: _containers.RepeatedCompositeFieldContainer[ReceivedSplit]
     blocked_round: int
     consumer_index: int
     removals_seen: int
-    def __init__(self, client_id: _Optional[int] = ..., current_round: _Optional[int] = ..., received: _Optional[_Iterable[_Union[ReceivedSplit, _Mapping]]] = ..., blocked_round: _Optional[int] = ..., consumer_index: _Optional[int] = ..., removals_seen: _Optional[int] = ...) -> None: ...
+    consumer_done: bool
+    def __init__(self, client_id: _Optional[int] = ..., current_round: _Optional[int] = ..., received: _Optional[_Iterable[_Union[ReceivedSplit, _Mapping]]] = ..., blocked_round: _Optional[int] = ..., consumer_index: _Optional[int] = ..., removals_seen: _Optional[int] = ..., consumer_done: _Optional[bool] = ...) -> None: ...
 
 class ReceivedSplit(_message.Message):
     __slots__ = ("task_id", "split", "offsets")
