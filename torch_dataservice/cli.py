@@ -54,8 +54,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="how often to heartbeat the dispatcher (default: 500)")
     w.add_argument("--cross-trainer-cache-bytes", type=int, default=1 << 30,
                    help="bytes of the cross-trainer cache window per job (default: 1 GiB)")
-    w.add_argument("--split-prefetch", type=int, default=4,
-                   help="DYNAMIC splits each task keeps asked for ahead of need (default: 4)")
+    w.add_argument("--split-prefetch", type=int, default=16,
+                   help="most DYNAMIC splits a task keeps in stock ahead of need (default: 16)")
     return parser
 
 

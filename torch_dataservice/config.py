@@ -89,9 +89,9 @@ class WorkerConfig:
     num_processes: int | None = None
     host: str = "localhost"
     cross_trainer_cache_bytes: int = field(default=1 << 30)
-    # DYNAMIC splits each task keeps in stock ahead of need (worker/split_feed.py);
-    # 0 asks only when a process needs one.
-    split_prefetch: int = 4
+    # Most DYNAMIC splits a task keeps in stock ahead of need (worker/split_feed.py sizes the
+    # stock to the GetSplit latency); 0 asks only when a process needs one.
+    split_prefetch: int = 16
 
     def __post_init__(self) -> None:
         if not isinstance(self.dispatcher_address, str) or not self.dispatcher_address:

@@ -117,3 +117,16 @@ def test_a_consumer_that_read_its_last_round_does_not_hold_the_others() -> None:
     reply = beat(service, clients[0], 0, blocked_round=9, seen=1)
     assert [(r.round, list(r.task_ids)) for r in reply.removals] == [
         (9, [tasks[1]]), (9, [tasks[2]])]
+
+
+def test_a_task_that_ended_for_the_fastest_consumer_is_lost_with_its_worker() -> None:
+    clock = Clock()
+    service = make_service(clock, worker_timeout_ms=1000)
+    _, tasks, clients = start_job(service)
+    # The worker served end of sequence to the fastest consumer: its task is finished, yet
+    # slower consumers still need the rounds it holds.
+    service.WorkerUpdate(pb.WorkerUpdateRequest(worker_address="b:1",
+                                                completed_tasks=[tasks[1]]), None)
+    assert not [t.task_id for t in beat(service, clients[0], 0).tasks if t.lost]
+    lose(service, clock, "b:1", alive=("a:1", "c:1"))
+    assert [t.task_id for t in beat(service, clients[0], 0).tasks if t.lost] == [tasks[1]]

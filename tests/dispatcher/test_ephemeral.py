@@ -76,3 +76,19 @@ def test_removal_is_journaled_and_a_removed_dataset_cannot_be_read(tmp_path: Pat
     with pytest.raises(RuntimeError, match=f"NOT_FOUND: dataset '{dataset_id}'"):
         restarted.GetOrCreateIteration(
             pb.GetOrCreateIterationRequest(job_id=job_id, repetition=1), Context())
+
+
+def test_one_just_registered_again_is_kept_for_its_registrant() -> None:
+    clock = Clock()
+    service = make_service(clock, job_gc_timeout_ms=1000)
+    dataset_id = register(service, "epoch-6", ephemeral=True)
+    read_once(service, dataset_id, "first pass")
+    service.check_liveness()  # the first pass's iteration is idle from now
+    clock.now += 1.5
+    # A second loader registers the same batches just before the first pass is collected.
+    assert register(service, "epoch-6", ephemeral=True) == dataset_id
+    service.check_liveness()
+    assert dataset_id in service.state.datasets  # its registrant's job is on the way
+    read_once(service, dataset_id, "second pass")
+    collect(service, clock)
+    assert dataset_id not in service.state.datasets

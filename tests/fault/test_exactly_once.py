@@ -7,29 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from torch_dataservice.config import DispatcherConfig
-from torch_dataservice.dispatcher.file_journal import FileJournal
-from torch_dataservice.dispatcher.journal import NullJournal
+from tests.dispatcher import service_support
+from tests.dispatcher.service_support import Clock
 from torch_dataservice.dispatcher.service import DispatcherService
 from torch_dataservice.proto import common_pb2, dispatcher_pb2
 
 pb = dispatcher_pb2
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def make_service(clock: Clock, work_dir: Path | None = None, job_gc_timeout_ms: int = 100_000
                  ) -> DispatcherService:
-    journal = FileJournal(work_dir) if work_dir else NullJournal()
-    return DispatcherService(DispatcherConfig(
-        fault_tolerant_mode=work_dir is not None, work_dir=str(work_dir) if work_dir else None,
-        worker_timeout_ms=1000, job_gc_timeout_ms=job_gc_timeout_ms), journal, clock=clock)
+    return service_support.make_service(clock, work_dir, worker_timeout_ms=1000,
+                                        job_gc_timeout_ms=job_gc_timeout_ms)
 
 
 def heartbeat_worker(service: DispatcherService, address: str, uid: int = 1,

@@ -269,3 +269,58 @@ def test_an_unpicklable_element_reaches_local_readers_and_fails_remote_ones(
     assert sorted(e["i"] for e in received) == [0, 1, 2]
     with pytest.raises(RemoteError, match="pickle"):
         list(pipeline("ANY"))
+
+
+def first_unpicklable(i: int) -> dict:
+    return unpicklable(i) if i == 0 else {"i": i}
+
+
+def test_an_element_a_remote_reader_cannot_get_fails_the_task_for_every_reader(
+        cluster_factory) -> None:
+    cluster = cluster_factory(1, num_processes=0)
+
+    def reader() -> Iterator[Any]:
+        return iter(tds.Pipeline.range(1000).map(first_unpicklable).apply(tds.distribute(
+            "parallel_epochs", cluster.target, target_workers="ANY",
+            job_name="shared-unpicklable", max_outstanding_requests=1)))
+
+    with pytest.raises(RemoteError, match="pickle"):
+        next(reader())
+    # Element 0 (and what else that fetch took) is gone with the error: the task is failed
+    # for all of its readers, not left serving the rest without them.
+    with pytest.raises(RemoteError, match="pickle"):
+        for _ in reader():
+            pass
+
+
+class Opaque:
+    """An object the size estimate cannot see into (no __dict__), like a C extension's."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+
+def opaque(i: int) -> Opaque:
+    with _produced_lock:
+        PRODUCED[("opaque", i)] = None
+    return Opaque(i)
+
+
+def test_objects_in_flight_are_bounded_in_number_too(cluster_factory) -> None:
+    cluster = cluster_factory(1, num_processes=0)
+    pipeline = tds.Pipeline.range(10_000).map(opaque).apply(tds.distribute(
+        "parallel_epochs", cluster.target, target_workers="LOCAL", compression=None,
+        max_outstanding_requests=1))
+    iterator = iter(pipeline)
+    try:
+        assert next(iterator).i == 0
+        wait_until(lambda: len(PRODUCED) >= executor_process.LOCAL_CREDITS, 30,
+                   "elements made ahead of the consumer")
+        time.sleep(1.0)
+        # The credits stop the pipeline: the worker holds LOCAL_CREDITS, the reader one fetch.
+        made = len(PRODUCED)
+        assert made <= 2 * executor_process.LOCAL_CREDITS + 1, made
+    finally:
+        iterator.close()

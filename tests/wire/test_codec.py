@@ -301,3 +301,11 @@ def test_estimate_size_survives_cycles() -> None:
     cycle: list[Any] = [torch.zeros(1000, dtype=torch.uint8)]
     cycle.append(cycle)
     assert 1000 <= codec.estimate_size(cycle) < 2000
+
+
+def test_estimate_counts_an_opaque_object_by_its_own_size() -> None:
+    import array
+
+    opaque = array.array("b", bytes(1 << 20))  # no __dict__, its buffer inside the object
+    assert codec.estimate_size(opaque) >= 1 << 20
+    assert codec.estimate_size([opaque, opaque]) >= 1 << 20  # seen once

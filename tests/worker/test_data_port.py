@@ -195,6 +195,7 @@ def test_a_non_loopback_host_needs_a_token(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_socket_directories_of_dead_workers_are_removed_at_start() -> None:
+    import shutil
     import subprocess
     import sys
     import tempfile
@@ -204,14 +205,22 @@ def test_socket_directories_of_dead_workers_are_removed_at_start() -> None:
     root = tempfile.gettempdir()
     stale = tempfile.mkdtemp(prefix=f"tds-worker-{dead.pid}-", dir=root)
     alive = tempfile.mkdtemp(prefix=f"tds-worker-{os.getpid()}-", dir=root)
+    # A pid unknown here whose socket is served: a worker of another pid namespace.
+    elsewhere = tempfile.mkdtemp(prefix=f"tds-worker-{dead.pid}-", dir=root)
+    served = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    served.bind(os.path.join(elsewhere, "data.sock"))
+    served.listen(1)
     port = DataPort(FakeWorker().fetch, lambda: True, HOST)
     port.start()
     try:
         assert not os.path.exists(stale), "a dead worker's socket directory stayed"
         assert os.path.isdir(alive), "a live process's directory was removed"
+        assert os.path.isdir(elsewhere), "a directory whose socket is served was removed"
         assert os.path.basename(os.path.dirname(port.socket_path)).startswith(
             f"tds-worker-{os.getpid()}-")
     finally:
         port.stop()
         os.rmdir(alive)
+        served.close()
+        shutil.rmtree(elsewhere)
     assert not os.path.exists(os.path.dirname(port.socket_path))

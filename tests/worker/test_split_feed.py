@@ -151,3 +151,29 @@ def test_a_failed_fetch_fails_the_waiting_replica(pool) -> None:
 def test_negative_depth_is_a_value_error(pool) -> None:
     with pytest.raises(ValueError, match="-1"):
         SplitFeed(lambda *a: [], pool, depth=-1)
+
+
+def _consume(feed: SplitFeed, count: int, work_s: float) -> None:
+    finished = None
+    for _ in range(count):
+        split = ask(feed, 0, finished)
+        assert split is not None
+        time.sleep(work_s)  # the split's work
+        finished = (split.repetition, split.index, 1)
+
+
+def test_the_stock_grows_for_cheap_splits_behind_a_slow_dispatcher(pool) -> None:
+    dispatcher = FakeDispatcher(num_splits=10_000, delay_s=0.02)
+    feed = SplitFeed(dispatcher.fetch, pool, depth=16)
+    _consume(feed, 150, work_s=0.001)
+    # Requests take 20 ms and a split 1 ms: several splits per request, up to the depth.
+    assert max(c[4] for c in dispatcher.calls) >= 8
+    assert max(c[4] for c in dispatcher.calls) <= 16 + 1
+
+
+def test_the_stock_stays_small_for_costly_splits(pool) -> None:
+    dispatcher = FakeDispatcher(num_splits=10_000, delay_s=0.001)
+    feed = SplitFeed(dispatcher.fetch, pool, depth=16)
+    _consume(feed, 30, work_s=0.02)
+    # A split's work hides a request many times over: no need to hold many splits.
+    assert max(c[4] for c in dispatcher.calls) <= 3

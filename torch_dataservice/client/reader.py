@@ -58,6 +58,7 @@ DYNAMIC = 1
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.1
+DONE_REPORT_S = 5.0  # coordinated reads: how long a consumer tries to say it read its last round
 FETCH_MAX_ELEMENTS = 512
 FETCH_MAX_BYTES = 8 << 20
 UNREACHABLE_BACKOFF_S = 0.2
@@ -178,6 +179,7 @@ class IterationReader:
         self._removals: list[tuple[int, frozenset[int]]] = []
         self._blocked_round: int | None = None
         self._consumer_done = False  # read its last round (reported with _blocked_round)
+        self._heartbeat_lock = threading.Lock()
         self._skipped_tasks = False  # some tasks are not read here (LOCAL)
         self._trainer_id = trainer_id
         self._connect_timeout_s = connect_timeout_s
@@ -236,7 +238,14 @@ class IterationReader:
             thread.start()
 
     # ------------------------------------------------------------------ dispatcher
-    def _heartbeat(self) -> None:
+    def _heartbeat(self) -> bool:
+        """Report to the dispatcher and learn the tasks; False if it did not answer."""
+        # One at a time (the rounds thread also beats when it stops): an older reply must not
+        # be applied over a newer one.
+        with self._heartbeat_lock:
+            return self._beat()
+
+    def _beat(self) -> bool:
         with self._received_lock:
             unreported, self._unreported = self._unreported, {}
         request = dispatcher_pb2.ClientHeartbeatRequest(client_id=self.client_id)
@@ -257,11 +266,11 @@ class IterationReader:
                 for key, offsets in unreported.items():
                     self._unreported.setdefault(key, []).extend(offsets)
             if is_retryable(error) or error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                return  # the dispatcher may be restarting: keep reading known workers
+                return False  # the dispatcher may be restarting: keep reading known workers
             with self._lock:
                 self._fatal = rpc_error_to_exception(error, "client heartbeat")
                 self._lock.notify_all()
-            return
+            return False
         if response.settled:
             with self._received_lock:
                 for settled in response.settled:
@@ -300,6 +309,7 @@ class IterationReader:
                     "run elsewhere")
             self._iteration_finished = response.iteration_finished
             self._lock.notify_all()
+        return True
 
     def _wanted(self, info: common_pb2.TaskInfo) -> bool:
         if self._consumer_index is not None:
@@ -484,7 +494,10 @@ class IterationReader:
                     # Tell the dispatcher where we ended, for good: a consumer still stopped
                     # on a lost task must not wait for this one (see _wait_for_removal).
                     self._blocked_round, self._consumer_done = round_index, True
-                self._heartbeat()
+                deadline = time.monotonic() + DONE_REPORT_S
+                while not self._heartbeat() and time.monotonic() < deadline \
+                        and self._fatal is None and not self._closed.wait(0.2):
+                    pass
                 with self._lock:
                     self._coordinated_finished = True
                     self._lock.notify_all()

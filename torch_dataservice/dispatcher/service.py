@@ -69,6 +69,7 @@ logger = logging.getLogger(__name__)
 
 Update = dispatcher_pb2.Update
 STATIC_POLICIES = {2: "FILE", 3: "DATA", 4: "FILE_OR_DATA", 5: "HINT"}
+MAX_SPLITS_PER_REQUEST = 64  # GetSplit.max_splits is capped: one request holds the lock briefly
 DONE = -1  # coordinated reads: a consumer's "removals seen" once it read its last round
 POLICY_NAMES = {0: "OFF", 1: "DYNAMIC", **STATIC_POLICIES}
 
@@ -124,6 +125,9 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         # Coordinated reads: per iteration, consumer index -> (round it is blocked at on a lost
         # task, removals it knew then). Soft state: blocked consumers report in every heartbeat.
         self._blocked: dict[int, dict[int, tuple[int, int]]] = {}
+        # Ephemeral datasets a registration was just answered with: not removed for a
+        # job_gc_timeout_ms, so the registrant's job finds them (soft state).
+        self._ephemeral_reused: dict[str, float] = {}
         self._pusher = ThreadPoolExecutor(max_workers=4, thread_name_prefix="task-push")
 
     @property
@@ -157,6 +161,8 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                 return dispatcher_pb2.GetOrRegisterDatasetResponse(dataset_id=request.dataset_id)
             existing = self._state.dataset_by_fingerprint.get(definition.fingerprint)
             if existing is not None:
+                if definition.ephemeral:  # it must outlive the job its registrant creates
+                    self._ephemeral_reused[existing] = self._clock()
                 return dispatcher_pb2.GetOrRegisterDatasetResponse(dataset_id=existing)
             dataset_id = str(self._state.peek_id("dataset"))
             while dataset_id in self._state.datasets:  # a user chose this id explicitly
@@ -568,25 +574,25 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             last = task.last_split.get(request.replica)
             if request.request_id and last is not None and last[0] == request.request_id:
                 return _split_response(iteration, last[1])  # a retried request
-            granted: list[dispatcher_pb2.GetSplitResponse] = []
-            for _ in range(max(1, request.max_splits)):
+            granted: list[tuple[int, int]] = []
+            for _ in range(min(max(1, request.max_splits), MAX_SPLITS_PER_REQUEST)):
                 try:
-                    update, response = self._next_split(iteration, request.repetition, task)
+                    produce = self._next_split(iteration, request.repetition, task)
                 except NotReadyError:
                     if granted:
                         break
                     raise
-                if response.end_of_splits and granted:
+                end = produce is None or produce.split_index < 0
+                if end and granted:
                     break  # the next request learns of the end
-                if update is not None:
-                    update.replica, update.request_id = request.replica, request.request_id
-                    self._apply(Update(produce_split=update))
-                if response.end_of_splits:
-                    return response
-                granted.append(response)
-            first, *following = granted
-            first.following.extend(following)
-            return first
+                if produce is not None:
+                    produce.replica, produce.request_id = request.replica, request.request_id
+                    self._apply(Update(produce_split=produce))
+                if end:
+                    return dispatcher_pb2.GetSplitResponse(end_of_splits=True)
+                granted.append((produce.repetition, produce.split_index))
+            # The same answer a retry of this request gets.
+            return _split_response(iteration, tuple(granted))
 
     def _requeue_ready(self, iteration: Iteration) -> bool:
         """Every client of `iteration` reported what it received since the last requeue, or
@@ -606,11 +612,11 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                    or now - self._client_seen.get(c, now) > silent_s
                    for c in iteration.client_ids)
 
-    def _next_split(
-        self, iteration: Iteration, repetition: int, task: Task
-    ) -> tuple[dispatcher_pb2.ProduceSplit | None, dispatcher_pb2.GetSplitResponse]:
+    def _next_split(self, iteration: Iteration, repetition: int,
+                    task: Task) -> dispatcher_pb2.ProduceSplit | None:
         """The next split for `task` in `repetition`: a requeued one first (oldest first,
-        of any repetition: see the module docstring), then the cursor.
+        of any repetition: see the module docstring), then the cursor. At the end of the
+        splits: None, or a record with split_index -1 when the cursor moves to `repetition`.
 
         Raises NotReadyError (UNAVAILABLE: the worker retries) when only requeued splits are
         left and clients have not yet reported what they received of them.
@@ -619,15 +625,9 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         if iteration.requeued:
             if self._requeue_ready(iteration):
                 split = min(iteration.requeued, key=lambda s: (s.repetition, s.index))
-                offsets = sorted(split.delivered_offsets)
-                return (
-                    dispatcher_pb2.ProduceSplit(
-                        iteration_id=iteration.iteration_id, repetition=split.repetition,
-                        split_index=split.index, task_id=task.task_id, requeued=True),
-                    dispatcher_pb2.GetSplitResponse(
-                        split_index=split.index, skip=len(offsets), skip_offsets=offsets,
-                        repetition=split.repetition),
-                )
+                return dispatcher_pb2.ProduceSplit(
+                    iteration_id=iteration.iteration_id, repetition=split.repetition,
+                    split_index=split.index, task_id=task.task_id, requeued=True)
             waiting = True
         not_ready = NotReadyError(
             f"iteration {iteration.iteration_id}: splits of a lost worker wait for clients to "
@@ -635,18 +635,15 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         if repetition < iteration.cursor_repetition:
             if waiting:
                 raise not_ready
-            return None, dispatcher_pb2.GetSplitResponse(end_of_splits=True)
+            return None
         index = iteration.cursor_index if repetition == iteration.cursor_repetition else 0
-        num_splits = self._num_splits(iteration)
-        produce = dispatcher_pb2.ProduceSplit(
-            iteration_id=iteration.iteration_id, repetition=repetition, task_id=task.task_id)
-        if index >= num_splits:
+        if index >= self._num_splits(iteration):
             if waiting:
                 raise not_ready
-            produce.split_index = -1
-            return produce, dispatcher_pb2.GetSplitResponse(end_of_splits=True)
-        produce.split_index = index
-        return produce, dispatcher_pb2.GetSplitResponse(split_index=index, repetition=repetition)
+            index = -1
+        return dispatcher_pb2.ProduceSplit(iteration_id=iteration.iteration_id,
+                                           repetition=repetition, task_id=task.task_id,
+                                           split_index=index)
 
     def _num_splits(self, iteration: Iteration) -> int:
         job = self._state.job(iteration.job_id)
@@ -696,16 +693,26 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                     split=common_pb2.SplitKey(repetition=repetition, index=index))))
         self._apply(Update(garbage_collect_iteration=dispatcher_pb2.GarbageCollectIteration(
             iteration_id=iteration.iteration_id)))
-        dataset_id = self._state.job(iteration.job_id).config.dataset_id
-        dataset = self._state.datasets.get(dataset_id)
-        if dataset is not None and dataset.definition.ephemeral and not any(
-                not other.garbage_collected
-                and self._state.job(other.job_id).config.dataset_id == dataset_id
-                for other in self._state.iterations.values()):
-            logger.info("ephemeral dataset %s is no longer read: removed", dataset_id)
-            self._apply(Update(remove_dataset=dispatcher_pb2.RemoveDataset(
-                dataset_id=dataset_id)))
+        self._blocked.pop(iteration.iteration_id, None)
+        self._drop_unread_ephemeral(self._state.job(iteration.job_id).config.dataset_id)
 
+    def _drop_unread_ephemeral(self, dataset_id: str) -> None:
+        """Remove an ephemeral dataset (DatasetDef.ephemeral) that no iteration reads any
+        more, unless a registration was answered with it lately: its job is on the way."""
+        dataset = self._state.datasets.get(dataset_id)
+        if dataset is None or not dataset.definition.ephemeral:
+            return
+        reused = self._ephemeral_reused.get(dataset_id)
+        if reused is not None and (self._clock() - reused
+                                   < self._config.effective_job_gc_timeout_ms / 1000):
+            return
+        if any(not other.garbage_collected
+               and self._state.job(other.job_id).config.dataset_id == dataset_id
+               for other in self._state.iterations.values()):
+            return
+        self._ephemeral_reused.pop(dataset_id, None)
+        logger.info("ephemeral dataset %s is no longer read: removed", dataset_id)
+        self._apply(Update(remove_dataset=dispatcher_pb2.RemoveDataset(dataset_id=dataset_id)))
 
 def _split_response(iteration: Iteration,
                     keys: tuple[tuple[int, int], ...]) -> dispatcher_pb2.GetSplitResponse:

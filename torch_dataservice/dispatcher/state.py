@@ -141,6 +141,14 @@ class DispatcherState:
         for task_id in sorted(worker.task_ids):
             self.tasks[task_id].lost = True
             self._finish_task(self.tasks[task_id])
+        # Coordinated reads: a task that ended for the fastest consumer still holds rounds
+        # the others need; they must learn that it is gone too.
+        for iteration in self.iterations.values():
+            if not iteration.garbage_collected and self.jobs[
+                    iteration.job_id].config.HasField("num_consumers"):
+                for task_id in iteration.task_ids:
+                    if self.tasks[task_id].worker_address == u.worker_address:
+                        self.tasks[task_id].lost = True
 
     def _apply_create_job(self, u: dispatcher_pb2.CreateJob) -> None:
         name = u.config.job_name

@@ -302,7 +302,8 @@ class DataLoader(torch.utils.data.DataLoader):
         fetch = SharedFetchBatch(self._tds_fetch_ref(service))
         pipeline = Pipeline.from_items(items).with_split_size(1).map(fetch)
         # Ephemeral: the dispatcher drops it once its iteration is collected, so a long run
-        # does not keep every epoch's index batches.
+        # does not keep every epoch's index batches. Loaders sharing a job_name register the
+        # same batches: the fingerprint makes them one dataset.
         definition = dataset_def(pipeline, self._tds_compression)
         definition.ephemeral = True
         definition.fingerprint = "ephemeral:" + definition.fingerprint

@@ -25,6 +25,7 @@ from __future__ import annotations
 import io
 import pickle
 import struct
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -202,7 +203,9 @@ def estimate_size(element: Any) -> int:
 
     Elements kept as objects (worker/local.py) are counted by this for the same memory bounds
     as encoded ones. It sums the raw bytes of tensors, arrays, bytes and strings found through
-    lists, tuples, sets, dicts and instance ``__dict__``s; anything else counts a few bytes.
+    lists, tuples, sets, dicts and instance ``__dict__``s; any other object counts what
+    ``sys.getsizeof`` says (an opaque object's own buffer may escape it: the worker also caps
+    how many objects are in flight).
     """
     total = _ELEMENT_BYTES
     stack = [element]
@@ -231,10 +234,12 @@ def estimate_size(element: Any) -> int:
             stack.extend(obj.values())
         else:
             seen.add(id(obj))
-            total += _OBJECT_BYTES
             fields = getattr(obj, "__dict__", None)
             if isinstance(fields, dict):
+                total += _OBJECT_BYTES
                 stack.append(fields)
+            else:
+                total += max(_OBJECT_BYTES, sys.getsizeof(obj, _OBJECT_BYTES))
     return total
 
 

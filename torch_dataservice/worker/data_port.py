@@ -275,6 +275,21 @@ def _remove_stale_dirs() -> None:
                 continue
             os.kill(int(pid_text), 0)
         except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)  # its process is gone
+            # No such process here; but /tmp may be shared with another pid namespace: only
+            # a socket nobody listens on is stale.
+            if not _listening(os.path.join(path, "data.sock")):
+                shutil.rmtree(path, ignore_errors=True)
         except OSError:
             continue  # alive (PermissionError: someone else's), or unreadable
+
+
+def _listening(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+        return True
+    except OSError:
+        return False  # no socket file, or nobody accepts on it
+    finally:
+        probe.close()

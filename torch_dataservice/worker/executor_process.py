@@ -54,6 +54,9 @@ from torch_dataservice.worker.local import LocalChannel, LocalElement
 
 logger = logging.getLogger(__name__)
 
+# Elements an executor thread may hand over as objects and not yet see taken (num_processes=0).
+LOCAL_CREDITS = 64
+
 ReplicaKey = tuple[int, int]  # (task id, replica index)
 
 # Credits bound a replica's elements in flight by count; this bounds them by bytes too, so the
@@ -339,6 +342,10 @@ class ExecutorLoop:
         except BaseException as error:
             self.send(("error", key, *describe_exception(error)))
             return
+        if self.local is not None:
+            # Objects are counted by an estimate of their size, which can miss what an opaque
+            # object holds (a C extension's buffer): bound their number more tightly too.
+            credits = min(credits, LOCAL_CREDITS)
         replica = _Replica(self, key, pipeline, compression, use_splits, credits)
         with self._lock:
             self._replicas[key] = replica

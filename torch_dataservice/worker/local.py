@@ -95,7 +95,8 @@ def encode_elements(elements: list[Any]) -> tuple[str, str, str] | None:
     """Give every element (with a `payload`) of `elements` an encoded payload, in order.
 
     An element that cannot be encoded (not picklable) is an error of the pipeline, as in an
-    executor process: it and the elements after it are dropped and the error returned.
+    executor process: it and the elements after it are dropped and the error returned (the
+    caller fails the task with it, so every reader of the task learns of it).
     """
     for index, element in enumerate(elements):
         if type(element.payload) is LocalElement:

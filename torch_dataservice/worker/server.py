@@ -81,8 +81,8 @@ class WorkerServer:
                                   forget_dataset=self._forget_dataset,
                                   split_prefetch=self._config.split_prefetch)
         self._tasks.cross_trainer_cache_bytes = self._config.cross_trainer_cache_bytes
-        self._tasks.start()  # spawn executors before gRPC starts its threads
         try:
+            self._tasks.start()  # spawn executors before gRPC starts its threads
             self._service = WorkerService(self._tasks, self._registered.is_set)
             self._server, self._port = start_grpc_server(
                 self._service.register, self._config.host, self._config.port)
@@ -93,8 +93,8 @@ class WorkerServer:
             self._data_port = DataPort(self._service.fetch, self._registered.is_set,
                                        self._config.host)
             self._data_port.start()
-        except BaseException:
-            self._abort_start()
+        except BaseException:  # undo a start that failed half-way: nothing stays behind
+            self._release(grace_s=0)
             raise
         self._heartbeat = BackgroundLoop(
             "worker-heartbeat", self._config.effective_heartbeat_interval_ms / 1000,
@@ -108,10 +108,6 @@ class WorkerServer:
                 time.sleep(0.1)
         self._heartbeat.start()
         logger.info("worker serving at %s", self._address)
-
-    def _abort_start(self) -> None:
-        """Undo a start that failed half-way: no executor, server or socket stays behind."""
-        self._release(grace_s=0)
 
     def _release(self, grace_s: float) -> None:
         """Stop serving (replies under way get `grace_s`), then the data port and executors."""

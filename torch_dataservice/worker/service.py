@@ -32,7 +32,8 @@ class WorkerService:
         elements, end, error = self._tasks.fetch(request, FETCH_WAIT_S)
         if not local:
             failed = encode_elements(elements)  # encoded here, by this reader's thread
-            if failed is not None:
+            if failed is not None:  # the pipeline made an element that cannot be sent
+                self._tasks.fail(request.task_id, failed)
                 end, error = False, failed
         header = worker_pb2.ElementBatchHeader(end_of_sequence=end)
         for element in elements:

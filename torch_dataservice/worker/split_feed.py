@@ -1,11 +1,14 @@
 """A task's DYNAMIC splits, asked of the dispatcher ahead of need and several at a time.
 
 Without it a replica waits a whole GetSplit round trip (and, in fault-tolerant mode, the
-dispatcher's fsync) between two splits. The feed keeps `depth` splits in stock per task beyond
-what replicas are waiting for, and refills it with one GetSplit for as many splits as are
-missing (`max_splits`): the dispatcher hands them in cursor order under one journal sync, so a
-round trip and an fsync are paid per batch of splits, not per split, and one task's splits
-are still produced in the order the cursor hands them out.
+dispatcher's fsync) between two splits. The feed keeps a stock of splits per task and, once it
+is down to half, refills it with one GetSplit for as many splits as are missing
+(`max_splits`): the dispatcher hands them in cursor order under one journal sync, so a round
+trip and an fsync are paid per batch of splits, not per split, and one task's splits are still
+produced in the order the cursor hands them out. The stock is sized to what the replicas use
+while a request is under way (twice the measured GetSplit latency over the measured interval
+between their requests), at most `depth`: cheap splits are asked for many at a time, costly
+ones (a DataLoader batch) one or two ahead, so a worker does not sit on work another could do.
 
 One request is in flight per task at a time, under the feed's own replica id with increasing
 request numbers, so a request retried after a lost reply gets the same splits back (the
@@ -15,14 +18,18 @@ every report so far came back with end of splits, so the end of a repetition is 
 dispatcher exactly as it was without the feed (see dispatcher/service.py, exactly-once).
 
 Splits in stock are held by the task on the dispatcher like any other: if the worker dies
-they are requeued, and a garbage-collected iteration hands them on.
+they are requeued, and a garbage-collected iteration hands them on. A task whose replicas stop
+before the splits run out (a `take` after the source) leaves its stock unproduced, as the
+cursor's remaining splits are: such a pipeline reads part of the data by design.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -68,6 +75,11 @@ class SplitFeed:
         self._fetch = fetch
         self._pool = pool
         self._depth = depth
+        # Exponential moving averages (seconds): GetSplit latency and the interval between
+        # replicas' requests; they size the stock (see the module docstring).
+        self._latency_s: float | None = None
+        self._interval_s: float | None = None
+        self._last_request = 0.0
         self._lock = threading.Lock()
         self._stock: deque[Split] = deque()
         self._waiters: deque[_Waiter] = deque()
@@ -82,7 +94,11 @@ class SplitFeed:
     def request(self, repetition: int, finished: FinishedSplit | None,
                 reply: Reply, fail: Fail) -> None:
         """A replica wants its next split of `repetition`, having finished `finished`."""
+        now = time.monotonic()
         with self._lock:
+            if self._last_request:
+                self._interval_s = _ewma(self._interval_s, now - self._last_request)
+            self._last_request = now
             if finished is not None:
                 self._reports.append(finished)
             self._wanted_repetition = max(self._wanted_repetition, repetition)
@@ -110,8 +126,8 @@ class SplitFeed:
             return actions
         while self._waiters:
             waiter = self._waiters[0]
-            if self._stock:
-                split = self._stock.popleft()
+            split = self._take_for(waiter.repetition)
+            if split is not None:
                 actions.append(lambda w=waiter, s=split: w.reply(s))
             elif (self._ended_repetition >= waiter.repetition and not self._reports
                   and not self._in_flight):
@@ -121,12 +137,19 @@ class SplitFeed:
             self._waiters.popleft()
         if self._in_flight:
             return actions
-        ended = self._ended_repetition >= self._wanted_repetition
-        missing = len(self._waiters) + self._depth - len(self._stock)
+        # A waiter whose repetition has ended is answered "no more" once reports are out.
+        ended = self._ended_repetition >= min(
+            [self._wanted_repetition, *(w.repetition for w in self._waiters)])
+        target = self._target_stock()
+        missing = len(self._waiters) + target - len(self._stock)
+        # Refill once the stock is down to half, for all that is missing: each request then
+        # carries several splits (fewer round trips and fsyncs), and waiters (only left when
+        # the stock has nothing for them) are always asked for.
+        refill = missing > 0 and (len(self._stock) <= target // 2 or bool(self._waiters))
         # Before the end, reports ride on the next fetch (a replica that reports also asks,
         # so one comes soon). After it they still go out, with a request the dispatcher
         # answers with end again (or a requeued split); waiters wait for that.
-        if (not ended and missing > 0) or (ended and self._reports):
+        if (not ended and refill) or (ended and self._reports):
             self._in_flight = True
             self._request_id += 1
             reports, self._reports = self._reports, []
@@ -134,6 +157,22 @@ class SplitFeed:
                 self._submit, self._wanted_repetition, self._request_id, reports,
                 max(1, missing)))
         return actions
+
+    def _take_for(self, repetition: int) -> Split | None:
+        """The first split in stock for a replica in `repetition`: not one of a newer
+        repetition once its own has ended (a requeued older one is fine for anyone)."""
+        for i, split in enumerate(self._stock):
+            if split.repetition <= repetition or self._ended_repetition < repetition:
+                del self._stock[i]
+                return split
+        return None
+
+    def _target_stock(self) -> int:
+        """Splits to keep in stock: enough for twice a request's latency, at most `depth`."""
+        if self._latency_s is None or not self._interval_s:
+            return min(self._depth, 2)
+        need = math.ceil(2 * self._latency_s / self._interval_s) + 1
+        return max(0, min(self._depth, need))
 
     # ------------------------------------------------------------------ fetching
     def _submit(self, repetition: int, request_id: int, reports: list[FinishedSplit],
@@ -148,6 +187,7 @@ class SplitFeed:
                    max_splits: int) -> None:
         error: tuple[str, str] | None = None
         splits: list[Split] = []
+        started = time.monotonic()
         try:
             splits = self._fetch(repetition, FEED_REPLICA, request_id, reports, max_splits)
         except ServiceUnavailableError as exc:
@@ -157,6 +197,7 @@ class SplitFeed:
             error = (type(exc).__name__, f"GetSplit failed: {exc}")
         with self._lock:
             self._in_flight = False
+            self._latency_s = _ewma(self._latency_s, time.monotonic() - started)
             if error is not None:
                 self._error = self._error or error
             elif not splits:
@@ -165,6 +206,10 @@ class SplitFeed:
                 self._stock.extend(splits)
             actions = self._settle_locked()
         _run(actions)
+
+
+def _ewma(average: float | None, sample: float, weight: float = 0.2) -> float:
+    return sample if average is None else average + weight * (sample - average)
 
 
 def _run(actions: list[Callable[[], None]]) -> None:

@@ -119,7 +119,7 @@ class TaskManager:
         num_executors: int,
         # The front's cache of dataset definitions: drop one (see _release_unused).
         forget_dataset: Callable[[str], None] = lambda dataset_id: None,
-        split_prefetch: int = 4,  # WorkerConfig.split_prefetch
+        split_prefetch: int = 16,  # WorkerConfig.split_prefetch
     ) -> None:
         self._get_dataset = get_dataset
         self._forget_dataset = forget_dataset
@@ -275,7 +275,10 @@ class TaskManager:
                     # one object: it keeps payloads, and each reader decodes its own copy.
                     elements, end, error = take(max_elements, max_bytes, wait_s)
                     failed = encode_elements(elements)
-                    return (elements, False, failed) if failed else (elements, end, error)
+                    if failed is not None:
+                        self.fail(task.task_id, failed)
+                        return elements, False, failed
+                    return elements, end, error
 
                 if definition.HasField("num_consumers"):
                     task.runner = RoundRobinRunner(definition.num_consumers, take)
@@ -356,6 +359,19 @@ class TaskManager:
             if task.error is None:
                 task.error = (remote_type, message, tb)
             task.ended_replicas.add(key[1])
+            task.cond.notify_all()
+        self._stop_replicas(task)
+
+    def fail(self, task_id: int, error: tuple[str, str, str]) -> None:
+        """The task failed outside its replicas (an element its readers cannot be sent): every
+        reader gets `error` once the buffer is drained, and the replicas stop."""
+        task = self.get(task_id)
+        if task is None:
+            return
+        logger.warning("task %d failed: %s: %s", task_id, error[0], error[1])
+        with task.cond:
+            if task.error is None:
+                task.error = error
             task.cond.notify_all()
         self._stop_replicas(task)
 
