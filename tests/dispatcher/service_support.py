@@ -1,4 +1,5 @@
-"""A DispatcherService driven by hand: a settable clock, a context whose abort raises."""
+"""A DispatcherService driven by hand (a settable clock, a context whose abort raises), and a
+journal written from a list of updates."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from torch_dataservice.config import DispatcherConfig
 from torch_dataservice.dispatcher.file_journal import FileJournal
 from torch_dataservice.dispatcher.journal import NullJournal
 from torch_dataservice.dispatcher.service import DispatcherService
+from torch_dataservice.dispatcher.state import DispatcherState
 
 
 class Clock:
@@ -33,3 +35,18 @@ def make_service(clock: Clock, work_dir: Path | None = None,
     return DispatcherService(DispatcherConfig(
         fault_tolerant_mode=work_dir is not None, work_dir=str(work_dir) if work_dir else None,
         **config), journal, clock=clock)
+
+
+def write_journal(work_dir: Path, updates: list, compact_every: int) -> tuple[DispatcherState, int]:
+    """Journal and apply `updates` as the service does, compacting when due; returns the
+    state and how many compactions happened (the journal is closed)."""
+    journal = FileJournal(work_dir, compact_every=compact_every)
+    state = DispatcherState()
+    compactions = 0
+    for update in updates:
+        journal.append(update)
+        state.apply(update)
+        compactions += journal.maybe_compact(state)
+    journal.sync()
+    journal.close()
+    return state, compactions

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.dispatcher.service_support import write_journal
 from tests.dispatcher.test_state import _history, build, one_iteration, produce_split
 from torch_dataservice.config import DispatcherConfig
 from torch_dataservice.dispatcher import file_journal
@@ -108,15 +109,7 @@ def test_sync_is_group_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_compaction_writes_a_snapshot_and_a_fresh_log(tmp_path: Path) -> None:
-    journal = FileJournal(tmp_path, compact_every=5)
-    state = DispatcherState()
-    compactions = 0
-    for update in _history():
-        journal.append(update)
-        state.apply(update)
-        compactions += journal.maybe_compact(state)
-    journal.sync()
-    journal.close()
+    state, compactions = write_journal(tmp_path, _history(), compact_every=5)
     assert compactions == len(_history()) // 5
     directory = tmp_path / file_journal.JOURNAL_DIR
     names = sorted(p.name for p in directory.iterdir())

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from tests.dispatcher.service_support import write_journal
 from tests.dispatcher.test_journal import _register, replayed
 from tests.dispatcher.test_state import (
     acquire_client,
@@ -225,15 +226,7 @@ def test_every_state_field_is_in_the_snapshot() -> None:
 
 # ---------------------------------------------------------------------- through the journal
 def test_a_state_survives_compaction_and_restart(tmp_path: Path) -> None:
-    journal = FileJournal(tmp_path, compact_every=4)
-    live = DispatcherState()
-    compactions = 0
-    for update in rich_history():
-        journal.append(update)
-        live.apply(update)
-        compactions += journal.maybe_compact(live)
-    journal.sync()
-    journal.close()
+    live, compactions = write_journal(tmp_path, rich_history(), compact_every=4)
     assert compactions == len(rich_history()) // 4
     directory = tmp_path / file_journal.JOURNAL_DIR
     (record,) = read_records(directory / f"snapshot_{compactions}")
