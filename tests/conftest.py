@@ -146,7 +146,7 @@ def shared_cluster() -> Iterator[Cluster]:
 @pytest.fixture
 def force_grpc(monkeypatch: pytest.MonkeyPatch) -> None:
     """Readers of this process fetch over gRPC even from workers of this process."""
-    from torch_dataservice.worker import local
+    from torch_dataservice.wire import inprocess as local
 
     monkeypatch.setattr(local, "lookup", lambda address: None)
 

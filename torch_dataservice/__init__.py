@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "CrossTrainerCache": "torch_dataservice.client.api",
-    "ShardingPolicy": "torch_dataservice.client.api",
+    "ShardingPolicy": "torch_dataservice.policies",
     "distribute": "torch_dataservice.client.api",
     "from_dataset_id": "torch_dataservice.client.api",
     "register_dataset": "torch_dataservice.client.api",

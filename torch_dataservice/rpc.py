@@ -19,6 +19,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# The worker's gRPC service (generic handlers, so no generated stub): readers name it too.
+WORKER_SERVICE_NAME = "torch_dataservice.v1.WorkerService"
+
 # Elements of any size: gRPC's default 4 MB receive cap must not limit element size.
 MAX_MESSAGE_BYTES = 2**31 - 1
 CHANNEL_OPTIONS = [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch_dataservice.client.reader import task_groups
 from torch_dataservice.proto import common_pb2
-from torch_dataservice.worker import local
+from torch_dataservice.wire import inprocess as local
 
 
 def info(task_id: int, where: str) -> common_pb2.TaskInfo:

@@ -23,7 +23,8 @@ from tests.conftest import wait_until
 from torch_dataservice.client import reader as reader_module
 from torch_dataservice.errors import RemoteError
 from torch_dataservice.wire import codec
-from torch_dataservice.worker import executor_process, local
+from torch_dataservice.wire import inprocess as local
+from torch_dataservice.worker import executor_process
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -10,7 +10,7 @@ import pytest
 import torch_dataservice as tds
 from tests.conftest import Cluster
 from torch_dataservice.client import reader as reader_module
-from torch_dataservice.worker import local
+from torch_dataservice.wire import inprocess as local
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ from torch_dataservice import auth
 from torch_dataservice.client import data_port as client
 from torch_dataservice.proto import worker_pb2
 from torch_dataservice.wire import codec
-from torch_dataservice.worker.data_port import HELLO, DataPort
+from torch_dataservice.wire.data_port import HELLO
+from torch_dataservice.worker.data_port import DataPort
 
 HOST = "127.0.0.1"
 CHUNK = 1 << 20  # wire/frame.py's STREAM_CHUNK_BYTES: boundaries that broke streams before

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import os
 import threading
@@ -12,26 +11,13 @@ from typing import Any
 
 import cloudpickle
 
-from torch_dataservice.pipeline import Pipeline
+from torch_dataservice.pipeline import Pipeline, shared_objects
+from torch_dataservice.policies import TARGET_WORKERS, ShardingPolicy
 from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
 from torch_dataservice.rpc import channel_to, parse_service, retry
-from torch_dataservice.worker import shared_objects
-
-
-class ShardingPolicy(enum.IntEnum):
-    """How a job's input is divided among workers (tf.data service's ShardingPolicy)."""
-
-    OFF = 0
-    DYNAMIC = 1
-    FILE = 2
-    DATA = 3
-    FILE_OR_DATA = 4
-    HINT = 5
-
 
 _MODE_STRINGS = {"parallel_epochs": ShardingPolicy.OFF, "distributed_epoch": ShardingPolicy.DYNAMIC}
 _COMPRESSIONS = ("AUTO", None)
-_TARGET_WORKERS = ("AUTO", "ANY", "LOCAL")
 
 
 def connect_timeout_s() -> float:
@@ -114,9 +100,9 @@ class ReadOptions:
                     f"cross_trainer_cache must be a CrossTrainerCache, got {cross_trainer_cache!r}")
             if job_name is None:
                 raise ValueError("cross_trainer_cache needs a job_name (trainers share one job)")
-        if target_workers not in _TARGET_WORKERS:
+        if target_workers not in TARGET_WORKERS:
             raise ValueError(
-                f"target_workers must be one of {_TARGET_WORKERS}, got {target_workers!r}")
+                f"target_workers must be one of {TARGET_WORKERS}, got {target_workers!r}")
         return cls(policy, address, job_name, consumer_index, num_consumers,
                    max_outstanding_requests, cross_trainer_cache, target_workers)
 
@@ -167,7 +153,7 @@ def dataset_def(pipeline: Pipeline, compression: str | None) -> common_pb2.Datas
 
 
 def shared_object_def(obj: Any) -> common_pb2.DatasetDef:
-    """A dataset holding `obj` for pipelines to refer to (worker/shared_objects.py)."""
+    """A dataset holding `obj` for pipelines to refer to (pipeline/shared_objects.py)."""
     with shared_objects.collecting() as depends_on:
         data = cloudpickle.dumps(obj)
     return common_pb2.DatasetDef(

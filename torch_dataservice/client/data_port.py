@@ -1,4 +1,4 @@
-"""The reader's side of the workers' data ports (protocol: worker/data_port.py).
+"""The reader's side of the workers' data ports (protocol: wire/data_port.py).
 
 A `DataPortPool` keeps connections per worker target, each used by one fetch at a time. A reply's
 header and small payloads come through one receive buffer; every big payload is received
@@ -21,7 +21,7 @@ import numpy as np
 
 from torch_dataservice import auth
 from torch_dataservice.proto import worker_pb2
-from torch_dataservice.worker.data_port import (
+from torch_dataservice.wire.data_port import (
     ACCEPTED,
     HELLO,
     LENGTH,

@@ -45,15 +45,11 @@ import grpc
 
 from torch_dataservice.client.data_port import DataPortError, DataPortPool
 from torch_dataservice.errors import RemoteError, is_retryable
+from torch_dataservice.policies import STATIC_POLICIES, ShardingPolicy
 from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc, worker_pb2
-from torch_dataservice.rpc import channel_to, retry, rpc_error_to_exception
-from torch_dataservice.wire import codec, frame
-from torch_dataservice.worker import local
-from torch_dataservice.worker.local import LocalElement
-from torch_dataservice.worker.service import SERVICE_NAME
-
-STATIC_POLICIES = (2, 3, 4, 5)  # FILE, DATA, FILE_OR_DATA, HINT
-DYNAMIC = 1
+from torch_dataservice.rpc import WORKER_SERVICE_NAME, channel_to, retry, rpc_error_to_exception
+from torch_dataservice.wire import codec, frame, inprocess
+from torch_dataservice.wire.inprocess import LocalElement
 
 logger = logging.getLogger(__name__)
 
@@ -140,8 +136,8 @@ def task_groups(infos: list[common_pb2.TaskInfo], target_workers: str) -> list[l
         return [sorted(info.task_id for info in infos)]
     groups: list[list[int]] = [[], [], []]
     for info in infos:
-        rank = (0 if info.process_id == local.process_id()
-                else 1 if info.host_id == local.HOST_ID else 2)
+        rank = (0 if info.process_id == inprocess.process_id()
+                else 1 if info.host_id == inprocess.HOST_ID else 2)
         groups[rank].append(info.task_id)
     return [sorted(group) for group in groups if group]
 
@@ -215,7 +211,7 @@ class IterationReader:
         # Exactly-once DYNAMIC (dispatcher/service.py): the offsets received of every split
         # (compacted, see _SplitReceived), to drop an element handed again, and those not yet
         # reported to the dispatcher.
-        self._exactly_once = (job_config.sharding_policy == DYNAMIC
+        self._exactly_once = (job_config.sharding_policy == ShardingPolicy.DYNAMIC
                               and not job_config.HasField("num_consumers"))
         self._received_lock = threading.Lock()
         self._seen: dict[tuple[int, int], _SplitReceived] = {}
@@ -305,7 +301,7 @@ class IterationReader:
                 hosts = sorted({info.worker_address for info in response.tasks})
                 self._fatal = ValueError(
                     f"target_workers='LOCAL' (or 'AUTO' under static sharding) reads only "
-                    f"workers on this host ({local.HOST_ID}), but the job's workers {hosts} "
+                    f"workers on this host ({inprocess.HOST_ID}), but the job's workers {hosts} "
                     "run elsewhere")
             self._iteration_finished = response.iteration_finished
             self._lock.notify_all()
@@ -315,7 +311,7 @@ class IterationReader:
         if self._consumer_index is not None:
             return True  # every consumer must see the same task set
         if self._target_workers == "LOCAL":
-            return info.host_id == local.HOST_ID
+            return info.host_id == inprocess.HOST_ID
         return True
 
     def _heartbeat_loop(self) -> None:
@@ -379,8 +375,8 @@ class IterationReader:
         address = state.info.worker_address
         target = None
         try:
-            service = local.lookup(address) if (
-                state.info.process_id == local.process_id()
+            service = inprocess.lookup(address) if (
+                state.info.process_id == inprocess.process_id()
                 and self._target_workers != "ANY") else None
             if service is not None:
                 header, payloads = service.fetch(request, local=True)
@@ -396,7 +392,7 @@ class IterationReader:
                 # Streamed in chunks and assembled into one buffer per big payload, which
                 # decode then uses as the tensors' memory (wire/frame.py).
                 call = channel_to(address).unary_stream(
-                    f"/{SERVICE_NAME}/StreamElements",
+                    f"/{WORKER_SERVICE_NAME}/StreamElements",
                     request_serializer=worker_pb2.GetElementsRequest.SerializeToString,
                 )(request, timeout=30)
                 try:
@@ -440,7 +436,7 @@ class IterationReader:
     def _data_target(self, info: common_pb2.TaskInfo) -> tuple | None:
         """Where to reach `info`'s worker's data port, or None (gRPC): its Unix socket if it
         runs on this host (unless target_workers is "ANY"), else its TCP port."""
-        if (info.data_socket and info.host_id == local.HOST_ID
+        if (info.data_socket and info.host_id == inprocess.HOST_ID
                 and self._target_workers != "ANY" and os.path.exists(info.data_socket)):
             return ("unix", info.data_socket)
         if info.data_port:

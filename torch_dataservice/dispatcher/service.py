@@ -54,8 +54,9 @@ import grpc
 
 from torch_dataservice.config import DispatcherConfig
 from torch_dataservice.dispatcher.journal import Journal
-from torch_dataservice.dispatcher.state import DYNAMIC, DispatcherState, Iteration, Task
+from torch_dataservice.dispatcher.state import DispatcherState, Iteration, Task
 from torch_dataservice.errors import NotReadyError
+from torch_dataservice.policies import ShardingPolicy, policy_name
 from torch_dataservice.proto import (
     common_pb2,
     dispatcher_pb2,
@@ -68,10 +69,8 @@ from torch_dataservice.rpc import channel_to, servicer_method
 logger = logging.getLogger(__name__)
 
 Update = dispatcher_pb2.Update
-STATIC_POLICIES = {2: "FILE", 3: "DATA", 4: "FILE_OR_DATA", 5: "HINT"}
 MAX_SPLITS_PER_REQUEST = 64  # GetSplit.max_splits is capped: one request holds the lock briefly
 DONE = -1  # coordinated reads: a consumer's "removals seen" once it read its last round
-POLICY_NAMES = {0: "OFF", 1: "DYNAMIC", **STATIC_POLICIES}
 
 
 def _durable(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -200,13 +199,14 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
 
     def _validate_job(self, config: common_pb2.JobConfig, dataset: common_pb2.DatasetDef) -> None:
         policy = config.sharding_policy
-        if policy not in POLICY_NAMES:
+        if policy not in ShardingPolicy.__members__.values():
             raise ValueError(f"unknown sharding policy {policy}")
-        name = POLICY_NAMES[policy]
+        policy = ShardingPolicy(policy)
+        name = policy.name
         if dataset.shared_object:
             raise ValueError(f"dataset {config.dataset_id} is a shared object for other "
                              "pipelines to refer to, not a pipeline to read")
-        if policy == DYNAMIC and not dataset.splittable:
+        if policy == ShardingPolicy.DYNAMIC and not dataset.splittable:
             raise ValueError(
                 "sharding policy DYNAMIC needs a splittable source (range, from_items, "
                 "list_files or from_dataset); this pipeline's source is not splittable"
@@ -217,7 +217,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         if config.HasField("num_consumers") and config.target_workers == "LOCAL":
             raise ValueError("coordinated reads (num_consumers) read every worker of the job: "
                              "target_workers='LOCAL' is not supported with them")
-        if policy in STATIC_POLICIES:
+        if policy.is_static:
             if config.target_workers == "ANY":
                 raise ValueError(
                     f"sharding policy {name} requires reading from local workers: use "
@@ -229,11 +229,12 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                     "with DispatcherConfig(worker_addresses=[...]) / --worker-addresses"
                 )
             num_workers = len(self._config.worker_addresses)
-            if policy == 2 and not dataset.file_based:
+            if policy == ShardingPolicy.FILE and not dataset.file_based:
                 raise ValueError(
                     "sharding policy FILE needs a list_files source; use DATA or FILE_OR_DATA"
                 )
-            if policy in (2, 4) and dataset.file_based and dataset.num_files < num_workers:
+            file_policy = policy in (ShardingPolicy.FILE, ShardingPolicy.FILE_OR_DATA)
+            if file_policy and dataset.file_based and dataset.num_files < num_workers:
                 raise ValueError(
                     f"sharding policy {name}: the pipeline has fewer files ({dataset.num_files}) "
                     f"than workers ({num_workers})"
@@ -734,7 +735,7 @@ def _split_response(iteration: Iteration,
 def _check_matching_job(existing: common_pb2.JobConfig, requested: common_pb2.JobConfig) -> None:
     def describe(config: common_pb2.JobConfig, name: str) -> object:
         if name == "sharding_policy":
-            return POLICY_NAMES.get(config.sharding_policy, config.sharding_policy)
+            return policy_name(config.sharding_policy)
         if name == "num_consumers":
             return config.num_consumers if config.HasField("num_consumers") else None
         return getattr(config, name)

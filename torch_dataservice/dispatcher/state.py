@@ -11,12 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from torch_dataservice.policies import STATIC_POLICIES
 from torch_dataservice.proto import common_pb2, dispatcher_pb2
 
 Update = dispatcher_pb2.Update
 
-OFF, DYNAMIC = 0, 1
-STATIC_POLICIES = frozenset({2, 3, 4, 5})  # FILE, DATA, FILE_OR_DATA, HINT
 ID_BASES = {"dataset": 1000, "iteration": 2000, "client": 3000, "task": 4000, "job": 5000}
 
 

@@ -6,7 +6,7 @@ trainer exactly as torch would (`sampling.py`), numbers them, and registers the 
 each index batch is one split, handed out by the dispatcher (DYNAMIC) to whichever worker
 process asks next, which runs `collate_fn([dataset[i] for i in index_batch])`. The dataset and
 collate_fn (a `FetchBatch`) are registered apart, as a shared object that `ref` names
-(worker/shared_objects.py): workers fetch and unpickle it once, not every epoch. It is pickled
+(pipeline/shared_objects.py): workers fetch and unpickle it once, not every epoch. It is pickled
 again each epoch to notice a dataset that changed (as torch's non-persistent workers would see
 it) and registered again only then; with `persistent_workers=True` it is pickled once, as
 torch's persistent workers keep their first copy. A small reorder buffer
@@ -60,10 +60,10 @@ from torch_dataservice.client.api import (
     shared_object_def,
 )
 from torch_dataservice.pipeline import Pipeline
+from torch_dataservice.pipeline.shared_objects import SharedObjectRef
 from torch_dataservice.torch import embedded, sampling
 from torch_dataservice.torch.distributed import RankInfo, broadcast_token, rank_info, run_seed
 from torch_dataservice.torch.fetch import FetchBatch, SharedFetchBatch
-from torch_dataservice.worker.shared_objects import SharedObjectRef
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
-from torch_dataservice.worker.shared_objects import SharedObjectRef
+from torch_dataservice.pipeline.shared_objects import SharedObjectRef
 
 
 class FetchBatch:
@@ -45,7 +45,7 @@ class SharedFetchBatch:
     """A `FetchBatch` registered once as a shared object, called through its reference.
 
     An epoch's pipeline holds this instead of the FetchBatch itself, so the dataset travels and
-    is unpickled once per executor process, not once per epoch (worker/shared_objects.py).
+    is unpickled once per executor process, not once per epoch (pipeline/shared_objects.py).
     """
 
     def __init__(self, fetch: SharedObjectRef) -> None:

@@ -7,23 +7,10 @@ on its host (an ephemeral port), and a Unix domain socket in a private temporary
 readers on the same host. The dispatcher tells clients both (``TaskInfo.data_port`` and
 ``data_socket``); a client falls back to gRPC ``StreamElements`` for a worker without them.
 
-Protocol (integers little-endian), one request at a time per connection::
-
-    client: b"TDSP" | uint8 version (1) | uint16 token length | token (UTF-8, may be empty)
-    worker: b"\\x01" (accepted), or b"\\x00" and it closes: wrong or missing token
-    then, as often as the client likes:
-    client: uint32 length | GetElementsRequest
-    worker: uint8 status, then
-        OK (0):                    the GetElements frame (wire/frame.py):
-                                   uint32 header length | ElementBatchHeader | payload 0 | ...
-        UNAVAILABLE (1),
-        UNKNOWN_TASK (2),
-        INTERNAL (3):              uint32 length | UTF-8 message
-
-The statuses mean what the gRPC codes of ``WorkerService`` mean (UNKNOWN_TASK is UNAVAILABLE for
-a task the worker does not know yet). The worker writes each payload straight from its buffer
-(a shared-memory segment or bytes) with ``sendmsg``, never joining them; the client reads each
-big payload into a buffer of its own that becomes the decoded tensors' memory (client/data_port.py).
+The protocol both ends speak is in wire/data_port.py. The worker writes each payload straight
+from its buffer (a shared-memory segment or bytes) with ``sendmsg``, never joining them; the
+client reads each big payload into a buffer of its own that becomes the decoded tensors' memory
+(client/data_port.py).
 
 Trust: with ``TORCH_DATASERVICE_TOKEN`` set, a connection must present it first (compared in
 constant time), as every gRPC call must (auth.py); the port binds the worker's host, which
@@ -37,61 +24,38 @@ import logging
 import os
 import shutil
 import socket
-import struct
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from torch_dataservice import auth
 from torch_dataservice.proto import worker_pb2
+from torch_dataservice.wire.data_port import (
+    ACCEPTED,
+    HELLO,
+    INTERNAL,
+    LENGTH,
+    MAGIC,
+    OK,
+    REFUSED,
+    STATUS_LENGTH,
+    UNAVAILABLE,
+    UNKNOWN_TASK,
+    VERSION,
+    recv_exactly,
+    send_buffers,
+)
 
 logger = logging.getLogger(__name__)
 
 DIR_PREFIX = "tds-worker-"  # + pid + "-" + random: a private directory for the Unix socket
 
-MAGIC = b"TDSP"
-VERSION = 1
-HELLO = struct.Struct("<4sBH")  # magic, version, token length
-ACCEPTED, REFUSED = b"\x01", b"\x00"
-OK, UNAVAILABLE, UNKNOWN_TASK, INTERNAL = range(4)
-LENGTH = struct.Struct("<I")
-STATUS_LENGTH = struct.Struct("<BI")
 MAX_REQUEST_BYTES = 1 << 20
 
 HANDSHAKE_TIMEOUT_S = 10.0
 STOP_GRACE_S = 0.5  # replies under way when the worker stops may finish (as gRPC's grace)
 SEND_TIMEOUT_S = 60.0  # a reader that stops reading mid-reply loses its connection
-_IOV_MAX = 512  # buffers per sendmsg (Linux allows 1024)
-
-
-def recv_exactly(sock: socket.socket, size: int) -> bytes:
-    """`size` bytes from `sock`; EOFError if it closes first."""
-    data = bytearray(size)
-    view = memoryview(data)
-    filled = 0
-    while filled < size:
-        n = sock.recv_into(view[filled:])
-        if n == 0:
-            raise EOFError(f"connection closed after {filled} of {size} bytes")
-        filled += n
-    return bytes(data)
-
-
-def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
-    """Send `buffers` back to back without joining them (scatter-gather `sendmsg`)."""
-    views = [view for view in (memoryview(b).cast("B") for b in buffers) if view.nbytes]
-    first = 0
-    while first < len(views):
-        sent = sock.sendmsg(views[first:first + _IOV_MAX])
-        while sent:
-            view = views[first]
-            if sent >= view.nbytes:
-                sent -= view.nbytes
-                first += 1
-            else:
-                views[first] = view[sent:]
-                sent = 0
 
 
 def _listen_tcp(host: str) -> socket.socket:

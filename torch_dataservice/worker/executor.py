@@ -22,9 +22,10 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
+from torch_dataservice.wire.inprocess import LocalElement
 from torch_dataservice.worker import shm
 from torch_dataservice.worker.executor_process import ReplicaKey, executor_main, read_exactly
-from torch_dataservice.worker.local import LocalChannel, LocalElement
+from torch_dataservice.worker.local import LocalChannel
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +201,7 @@ class ExecutorPool:
                       compression: str | None, use_splits: bool, credits: int,
                       dependencies: Sequence[tuple[str, Callable[[], bytes]]] = ()) -> bool:
         """Start a replica of `dataset_id`, first sending the executor the datasets it does not
-        have yet: `dependencies` (worker/shared_objects.py), then the pipeline itself."""
+        have yet: `dependencies` (pipeline/shared_objects.py), then the pipeline itself."""
         slot = self._slot(slot_index)
         # All under the slot's send lock: a release_dataset cannot fall between a dataset and
         # the start that needs it.

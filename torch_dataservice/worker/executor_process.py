@@ -47,10 +47,11 @@ import cloudpickle
 import numpy as np
 
 from torch_dataservice.errors import describe_exception
-from torch_dataservice.pipeline import ExecutionContext, Pipeline, sharding
+from torch_dataservice.pipeline import ExecutionContext, Pipeline, sharding, shared_objects
 from torch_dataservice.wire import codec
-from torch_dataservice.worker import shared_objects, shm
-from torch_dataservice.worker.local import LocalChannel, LocalElement
+from torch_dataservice.wire.inprocess import LocalElement
+from torch_dataservice.worker import shm
+from torch_dataservice.worker.local import LocalChannel
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +210,7 @@ class ExecutorLoop:
         # Set when this loop runs on a thread of the front's process: elements go as objects.
         self.local = local
         self._datasets: dict[str, bytes] = {}
-        # Shared objects (worker/shared_objects.py), unpickled at their first use; their bytes
+        # Shared objects (pipeline/shared_objects.py), unpickled at their first use; their bytes
         # are dropped then. The front releases both when no task of the worker needs them.
         self._objects: dict[str, Any] = {}
         self._replicas: dict[ReplicaKey, _Replica] = {}

@@ -16,7 +16,7 @@ from torch_dataservice.errors import ServiceUnavailableError
 from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
 from torch_dataservice.rpc import channel_to, retry
 from torch_dataservice.serving import BackgroundLoop, start_grpc_server
-from torch_dataservice.worker import local
+from torch_dataservice.wire import inprocess
 from torch_dataservice.worker.data_port import DataPort
 from torch_dataservice.worker.service import WorkerService
 from torch_dataservice.worker.split_feed import FinishedSplit, Split
@@ -87,7 +87,7 @@ class WorkerServer:
             self._server, self._port = start_grpc_server(
                 self._service.register, self._config.host, self._config.port)
             self._address = self._config.worker_address or f"{self._config.host}:{self._port}"
-            local.register(self._address, self._service)
+            inprocess.register(self._address, self._service)
             # Elements also travel over a plain socket: gRPC caps big payloads
             # (worker/data_port.py).
             self._data_port = DataPort(self._service.fetch, self._registered.is_set,
@@ -112,7 +112,7 @@ class WorkerServer:
     def _release(self, grace_s: float) -> None:
         """Stop serving (replies under way get `grace_s`), then the data port and executors."""
         if self._server is not None:
-            local.unregister(self._address)
+            inprocess.unregister(self._address)
             self._server.stop(grace=grace_s).wait(5)
             self._server = None
         if self._data_port is not None:
@@ -129,8 +129,8 @@ class WorkerServer:
             return
         request = dispatcher_pb2.WorkerHeartbeatRequest(
             worker_address=self._address, worker_uid=self._uid,
-            current_tasks=self._tasks.task_ids(), host_id=local.HOST_ID,
-            process_id=local.process_id())
+            current_tasks=self._tasks.task_ids(), host_id=inprocess.HOST_ID,
+            process_id=inprocess.process_id())
         data_port = self._data_port
         if data_port is not None:
             request.data_port, request.data_socket = data_port.port, data_port.socket_path

@@ -9,13 +9,13 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from torch_dataservice.proto import worker_pb2
+from torch_dataservice.rpc import WORKER_SERVICE_NAME
 from torch_dataservice.wire import frame
 from torch_dataservice.worker.local import encode_elements
 from torch_dataservice.worker.tasks import TaskManager
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME = "torch_dataservice.v1.WorkerService"
 FETCH_WAIT_S = 0.5  # long-poll: an empty reply after this, so no request holds a thread long
 
 
@@ -96,4 +96,4 @@ class WorkerService:
             ),
         }
         server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+            (grpc.method_handlers_generic_handler(WORKER_SERVICE_NAME, handlers),))

@@ -18,17 +18,21 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch_dataservice.pipeline.split_cursor import LocalSplitCursor
+from torch_dataservice.policies import ShardingPolicy
 from torch_dataservice.proto import common_pb2
+from torch_dataservice.wire.inprocess import payload_nbytes
 from torch_dataservice.worker.executor import ExecutorPool
 from torch_dataservice.worker.executor_process import ReplicaKey
-from torch_dataservice.worker.local import encode_elements, payload_nbytes
+from torch_dataservice.worker.local import encode_elements
 from torch_dataservice.worker.runners import CachingRunner, RoundRobinRunner, TakeResult
 from torch_dataservice.worker.split_feed import FinishedSplit, Split, SplitFeed
-from torch_dataservice.worker.splits import LocalSplitCursor
 
 logger = logging.getLogger(__name__)
 
-OFF, DYNAMIC, FILE, DATA, FILE_OR_DATA, HINT = range(6)
+OFF, DYNAMIC, FILE, DATA, FILE_OR_DATA, HINT = (
+    ShardingPolicy.OFF, ShardingPolicy.DYNAMIC, ShardingPolicy.FILE, ShardingPolicy.DATA,
+    ShardingPolicy.FILE_OR_DATA, ShardingPolicy.HINT)
 # Elements a replica may have made and not yet handed out (the executor also caps their bytes):
 # enough for several full fetches of tiny elements, so a fetch is not limited to a few of them.
 CREDITS_PER_REPLICA = 1024

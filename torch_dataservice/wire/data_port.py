@@ -1,0 +1,64 @@
+"""The data-port protocol that a worker (worker/data_port.py) and a reader
+(client/data_port.py) speak: GetElements over a plain socket, without gRPC.
+
+Protocol (integers little-endian), one request at a time per connection::
+
+    client: b"TDSP" | uint8 version (1) | uint16 token length | token (UTF-8, may be empty)
+    worker: b"\\x01" (accepted), or b"\\x00" and it closes: wrong or missing token
+    then, as often as the client likes:
+    client: uint32 length | GetElementsRequest
+    worker: uint8 status, then
+        OK (0):                    the GetElements frame (wire/frame.py):
+                                   uint32 header length | ElementBatchHeader | payload 0 | ...
+        UNAVAILABLE (1),
+        UNKNOWN_TASK (2),
+        INTERNAL (3):              uint32 length | UTF-8 message
+
+The statuses mean what the gRPC codes of ``WorkerService`` mean (UNKNOWN_TASK is UNAVAILABLE for
+a task the worker does not know yet).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+MAGIC = b"TDSP"
+VERSION = 1
+HELLO = struct.Struct("<4sBH")  # magic, version, token length
+ACCEPTED, REFUSED = b"\x01", b"\x00"
+OK, UNAVAILABLE, UNKNOWN_TASK, INTERNAL = range(4)
+LENGTH = struct.Struct("<I")
+STATUS_LENGTH = struct.Struct("<BI")
+_IOV_MAX = 512  # buffers per sendmsg (Linux allows 1024)
+
+
+def recv_exactly(sock: socket.socket, size: int) -> bytes:
+    """`size` bytes from `sock`; EOFError if it closes first."""
+    data = bytearray(size)
+    view = memoryview(data)
+    filled = 0
+    while filled < size:
+        n = sock.recv_into(view[filled:])
+        if n == 0:
+            raise EOFError(f"connection closed after {filled} of {size} bytes")
+        filled += n
+    return bytes(data)
+
+
+def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
+    """Send `buffers` back to back without joining them (scatter-gather `sendmsg`)."""
+    views = [view for view in (memoryview(b).cast("B") for b in buffers) if view.nbytes]
+    first = 0
+    while first < len(views):
+        sent = sock.sendmsg(views[first:first + _IOV_MAX])
+        while sent:
+            view = views[first]
+            if sent >= view.nbytes:
+                sent -= view.nbytes
+                first += 1
+            else:
+                views[first] = view[sent:]
+                sent = 0
