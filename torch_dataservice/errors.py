@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
+import sys
 import traceback as traceback_module
+from typing import Any
 
 import grpc
 
@@ -12,7 +16,18 @@ class RemoteError(Exception):
 
     Carries the remote exception's qualified type, message and formatted traceback, so a
     consumer sees what failed and where without access to the worker's logs.
+
+    Where the remote type exists here too (`KeyError`, a class of the user's script or of an
+    installed package), the error is also an instance of that type, so `except KeyError:` works
+    as with torch's DataLoader, which re-raises the worker's exception type. A type that cannot
+    be found, or whose instances cannot be made without calling its constructor, stays a plain
+    `RemoteError`.
     """
+
+    def __new__(cls, remote_type: str = "", *args: Any, **kwargs: Any) -> RemoteError:
+        made = (_remote_subclass(remote_type) if cls is RemoteError else None) or cls
+        # The next __new__ after RemoteError in `made`'s MRO: the remote type's own (builtin) one.
+        return super(RemoteError, made).__new__(made)  # noqa: UP008
 
     def __init__(self, remote_type: str, remote_message: str, remote_traceback: str = "") -> None:
         self.remote_type = remote_type
@@ -21,7 +36,62 @@ class RemoteError(Exception):
         text = f"{remote_type}: {remote_message}"
         if remote_traceback:
             text += f"\n\nRemote traceback:\n{remote_traceback}"
-        super().__init__(text)
+        Exception.__init__(self, text)
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return RemoteError, (self.remote_type, self.remote_message, self.remote_traceback)
+
+
+def _find_type(qualified: str) -> type | None:
+    """The exception class named `module.QualName`, if this process has or can import it.
+
+    Only classes already imported are looked up, plus modules that import without error: a
+    name from the wire never runs code beyond a module import (the workers run the trainer's
+    pickled code anyway, so the trust boundary is the same)."""
+    module_name, _, qualname = qualified.rpartition(".")
+    while module_name:
+        module = sys.modules.get(module_name)
+        if module is None:
+            try:
+                module = importlib.import_module(module_name)
+            except Exception:
+                module = None
+        if module is not None:
+            found: Any = module
+            for part in qualname.split("."):
+                found = getattr(found, part, None)
+            return found if isinstance(found, type) else None
+        module_name, _, head = module_name.rpartition(".")
+        qualname = f"{head}.{qualname}"
+    return None
+
+
+# Never re-created as themselves: a remote StopIteration must not end the reader's iteration
+# silently, and these are not errors of the user's data code.
+_NOT_RECREATED = (StopIteration, StopAsyncIteration)
+
+
+@functools.lru_cache(maxsize=256)
+def _remote_subclass(qualified: str) -> type | None:
+    """A class that is both `RemoteError` and the remote exception's own type, or None."""
+    found = _find_type(qualified) if qualified else None
+    if (found is None or not issubclass(found, Exception) or issubclass(found, RemoteError)
+            or issubclass(found, _NOT_RECREATED)):
+        return None
+    # A Python-level __new__ may need constructor arguments we do not have: keep RemoteError.
+    if any("__new__" in vars(k) for k in found.__mro__ if k.__module__ != "builtins"):
+        return None
+    try:
+        both = type(found.__name__, (RemoteError, found), {
+            "__module__": found.__module__, "__qualname__": found.__qualname__,
+            "__init__": RemoteError.__init__, "__str__": RemoteError.__str__})
+        both.__new__(both)  # an incompatible builtin layout fails here, not at raise time
+    except TypeError:
+        return None
+    return both
 
 
 class ServiceUnavailableError(ConnectionError):
