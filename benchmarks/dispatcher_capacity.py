@@ -341,6 +341,7 @@ def create_job(address: str, tag: str) -> int:
 @dataclass
 class Row:
     mode: str  # "memory" or "journal"
+    series: str  # "both" (n workers + n clients), "workers" (n + 1 client), "clients" (1 + n)
     workers: int
     clients: int
     seconds: float
@@ -365,8 +366,11 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def run_mode(mode: str, steps: list[int], seconds: float, ramp: float, procs: int,
-             split_rate: float, stop_cores: float, log) -> list[Row]:
+SERIES = {"both": lambda n: (n, n), "workers": lambda n: (n, 1), "clients": lambda n: (1, n)}
+
+
+def run_mode(mode: str, series: str, steps: list[int], seconds: float, ramp: float,
+             procs: int, split_rate: float, stop_cores: float, log) -> list[Row]:
     rows: list[Row] = []
     work_dir = tempfile.mkdtemp(prefix="tds-capacity-") if mode == "journal" else None
     dispatcher = Dispatcher(work_dir)
@@ -375,7 +379,8 @@ def run_mode(mode: str, steps: list[int], seconds: float, ramp: float, procs: in
         job_id = create_job(dispatcher.address, mode)
         sims = Sims(dispatcher.address, procs, split_rate)
         for n in steps:
-            sims.grow(n, n, job_id)
+            workers, clients = SERIES[series](n)
+            sims.grow(workers, clients, job_id)
             time.sleep(ramp)  # every worker has its task and is asking for splits
             t0, cpu0 = time.time(), dispatcher.cpu_seconds()
             time.sleep(seconds)
@@ -390,15 +395,17 @@ def run_mode(mode: str, steps: list[int], seconds: float, ramp: float, procs: in
                     counts[kind] = counts.get(kind, 0) + count
                 latencies += s["split_latencies"]
                 errors += len(s["errors"])
-            offered = n / WORKER_HEARTBEAT_S + n * split_rate + n / CLIENT_HEARTBEAT_S
+            offered = (workers / WORKER_HEARTBEAT_S + workers * split_rate
+                       + clients / CLIENT_HEARTBEAT_S)
             achieved = sum(counts.get(k, 0) for k in
                            ("worker_heartbeat", "get_split", "client_heartbeat")) / wall
-            row = Row(mode, n, n, wall, (cpu1 - cpu0) / wall, dispatcher.rss_mb(), offered,
-                      achieved, counts.get("get_split", 0) / wall,
+            row = Row(mode, series, workers, clients, wall, (cpu1 - cpu0) / wall,
+                      dispatcher.rss_mb(), offered, achieved, counts.get("get_split", 0) / wall,
                       1000 * percentile(latencies, 0.5), 1000 * percentile(latencies, 0.99),
                       errors)
             rows.append(row)
-            log(f"  {mode}: {n} workers + {n} clients: dispatcher {row.cores:.2f} cores, "
+            log(f"  {mode}: {workers} workers + {clients} clients: dispatcher "
+                f"{row.cores:.2f} cores, "
                 f"GetSplit p50 {row.split_p50_ms:.1f} ms p99 {row.split_p99_ms:.1f} ms, "
                 f"RPCs {achieved:,.0f}/{offered:,.0f} per s")
             if row.cores > stop_cores:
@@ -414,14 +421,16 @@ def run_mode(mode: str, steps: list[int], seconds: float, ramp: float, procs: in
 
 
 def print_table(rows: list[Row]) -> None:
-    header = (f"{'mode':<8} {'workers':>7} {'clients':>7} {'disp cores':>10} {'RSS MB':>7} "
+    header = (f"{'mode':<8} {'series':<8} {'workers':>7} {'clients':>7} {'disp cores':>10} "
+              f"{'RSS MB':>7} "
               f"{'RPC/s done/offered':>19} {'GetSplit/s':>10} {'p50 ms':>7} {'p99 ms':>7} "
               f"{'errors':>6}  <=0.5 core")
     print(header)
     print("-" * len(header))
     for r in rows:
         done = f"{r.achieved_rps:,.0f}/{r.offered_rps:,.0f}"
-        print(f"{r.mode:<8} {r.workers:>7} {r.clients:>7} {r.cores:>10.2f} {r.rss_mb:>7.0f} "
+        print(f"{r.mode:<8} {r.series:<8} {r.workers:>7} {r.clients:>7} {r.cores:>10.2f} "
+              f"{r.rss_mb:>7.0f} "
               f"{done:>19} {r.split_rps:>10,.0f} {r.split_p50_ms:>7.1f} {r.split_p99_ms:>7.1f} "
               f"{r.errors:>6}  {'yes' if r.sustained else 'NO'}")
 
@@ -431,9 +440,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="short steps (about a minute)")
     parser.add_argument("--steps", default=None,
                         help="workers (= clients) per step (quick 10,50,100,200; "
-                             "full 10,50,100,200,400)")
+                             "full 10,25,50,100,200,400)")
     parser.add_argument("--modes", default="memory,journal",
                         help="memory (no journal), journal (--fault-tolerant --work-dir)")
+    parser.add_argument("--series", default=None,
+                        help="both (n workers + n clients), workers (n + 1 client), clients "
+                             "(1 worker + n); quick: both; full: both,workers,clients (the "
+                             "last two in memory mode only)")
     parser.add_argument("--seconds", type=float, default=None,
                         help="measured window per step (quick 3, full 8)")
     parser.add_argument("--ramp", type=float, default=1.5, help="seconds before each window")
@@ -444,13 +457,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip larger steps once the dispatcher used this many cores")
     parser.add_argument("--json", default=None, help="write the rows to this JSON file")
     args = parser.parse_args(argv)
-    steps = [int(s) for s in (args.steps or ("10,50,100,200" if args.quick
-                                             else "10,50,100,200,400")).split(",")]
+    steps = [int(s) for s in (args.steps or ("10,25,50,100,200" if args.quick
+                                             else "10,25,50,100,200,400")).split(",")]
     seconds = args.seconds or (3.0 if args.quick else 8.0)
     began = time.perf_counter()
     rows: list[Row] = []
-    for mode in args.modes.split(","):
-        rows += run_mode(mode, steps, seconds, args.ramp, args.procs, args.split_rate,
+    modes = args.modes.split(",")
+    if args.series:
+        runs = [(mode, series) for series in args.series.split(",") for mode in modes]
+    else:
+        runs = [(mode, "both") for mode in modes]
+        if not args.quick:
+            runs += [(modes[0], "workers"), (modes[0], "clients")]
+    for mode, series in runs:
+        if series not in SERIES:
+            parser.error(f"unknown series {series!r}")
+        rows += run_mode(mode, series, steps, seconds, args.ramp, args.procs, args.split_rate,
                          args.stop_cores, lambda m: print(m, flush=True))
 
     print()
@@ -461,10 +483,11 @@ def main(argv: list[str] | None = None) -> int:
           f"GetSplit/s per worker, {time.perf_counter() - began:.0f} s; baseline: the offered "
           f"RPC rate and a budget of {BUDGET_CORES} core")
     print_table(rows)
-    for mode in dict.fromkeys(r.mode for r in rows):
-        ok = [r.workers for r in rows if r.mode == mode and r.sustained]
-        print(f"{mode}: sustains {max(ok) if ok else 'fewer than ' + str(steps[0])} workers + "
-              f"as many clients within {BUDGET_CORES} core (largest step that did)")
+    for mode, series in dict.fromkeys((r.mode, r.series) for r in rows):
+        ok = [r for r in rows if (r.mode, r.series) == (mode, series) and r.sustained]
+        best = max(ok, key=lambda r: r.workers + r.clients, default=None)
+        print(f"{mode}/{series}: within {BUDGET_CORES} core, the largest step sustained: "
+              + (f"{best.workers} workers + {best.clients} clients" if best else "none"))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
