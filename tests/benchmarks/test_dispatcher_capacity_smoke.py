@@ -21,6 +21,7 @@ def test_dispatcher_capacity_runs_and_prints_its_table(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "dispatcher_capacity.py"), "--steps", "2,4",
          "--seconds", "1", "--ramp", "1", "--procs", "2", "--modes", "memory,journal",
+         "--series", "both",
          "--json", str(out)],
         capture_output=True, text=True, timeout=160, env=env, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
