@@ -1,0 +1,506 @@
+"""The dispatcher's own ceiling: its CPU and GetSplit latency as simulated workers and clients grow.
+
+A real dispatcher runs as a subprocess (`python -m torch_dataservice dispatcher`), once with its
+state in memory and once with `--fault-tolerant --work-dir` (every change journaled and
+fsynced). Workers and clients are simulated by plain gRPC stubs (`dispatcher_pb2_grpc`,
+asyncio) spread over `--procs` processes, doing what the real ones do at the default
+intervals:
+  - a worker heartbeats every 500 ms (WorkerConfig.effective_heartbeat_interval_ms), listing
+    its tasks, and each of its tasks asks for DYNAMIC splits with `GetSplit` at
+    `--split-rate` splits/s (a split of 10 elements of a 10 ms read on a single-process worker
+    is 10/s; 256-element splits of 8 processes at 10 ms are ~3/s), reporting the split it
+    finished in the next request, as worker/split_feed.py does when its stock is one split;
+  - a client joins the job's iteration (GetOrCreateIteration) and heartbeats every 100 ms
+    (client/reader.py HEARTBEAT_INTERVAL_S), reporting the offsets it received of the splits
+    handed out (exactly-once bookkeeping), as a reader of a DYNAMIC job does.
+All workers and clients share one DYNAMIC job (one iteration): N trainers reading one fleet.
+The population grows step by step (`--steps`, the same number of workers and of clients);
+each step runs `--seconds` after a ramp, and per step we read the dispatcher's CPU from
+/proc/PID/stat over the window (cores = CPU seconds / wall seconds), the GetSplit latency
+(p50/p99, seen by the stubs) and the RPCs done against those offered (a simulator that falls
+behind, or a dispatcher that does, shows as achieved < offered).
+
+Baseline, same run: the offered load itself (achieved/offered) and the budget of half a core.
+"sustains" = the dispatcher used <= 0.5 core and answered >= 95% of the offered RPCs. The
+simulators share the machine with the dispatcher (2 cores here): latency includes their
+contention; the dispatcher's CPU is its own.
+
+    python benchmarks/dispatcher_capacity.py --quick    # about a minute
+    python benchmarks/dispatcher_capacity.py            # 10..400, both modes, a few minutes
+    python benchmarks/dispatcher_capacity.py --json benchmarks/results/dispatcher_capacity.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script from a checkout without installing
+    sys.path.insert(0, ROOT)
+
+WORKER_HEARTBEAT_S = 0.5  # WorkerConfig.effective_heartbeat_interval_ms default
+CLIENT_HEARTBEAT_S = 0.1  # client/reader.py HEARTBEAT_INTERVAL_S
+FEED_REPLICA = 1 << 20  # worker/split_feed.py: the replica id a task's split feed uses
+SPLIT_SIZE = 10
+PEERS_PER_CHANNEL = 10  # simulated peers sharing one HTTP/2 connection
+BUDGET_CORES = 0.5
+
+
+# ============================================================================ simulators
+
+
+class Sim:
+    """One simulator process: some workers and clients, on asyncio stubs."""
+
+    def __init__(self, address: str, index: int, split_rate: float) -> None:
+        self.address, self.index, self.split_rate = address, index, split_rate
+        self.events: deque[tuple[float, str, float]] = deque()  # (end time, kind, latency)
+        self.errors: deque[tuple[float, str]] = deque()
+        self.received: deque[tuple[int, int]] = deque()  # (task id, split index) to report
+        self.channels: list = []
+        self.coroutines: list[asyncio.Task] = []
+        self.workers = self.clients = 0
+        self.job_id = 0
+
+    def stub(self):
+        import grpc
+
+        from torch_dataservice.proto import dispatcher_pb2_grpc
+
+        peers = self.workers + self.clients
+        if len(self.channels) <= peers // PEERS_PER_CHANNEL:
+            self.channels.append(grpc.aio.insecure_channel(self.address))
+        return dispatcher_pb2_grpc.DispatcherServiceStub(self.channels[-1])
+
+    async def call(self, kind: str, method, request):
+        start = time.perf_counter()
+        try:
+            response = await method(request, timeout=10)
+        except Exception as error:  # noqa: BLE001 - counted
+            self.errors.append((time.time(), f"{kind}: {type(error).__name__}"))
+            return None
+        self.events.append((time.time(), kind, time.perf_counter() - start))
+        return response
+
+    async def worker(self, i: int, registered: asyncio.Future) -> None:
+        from torch_dataservice.proto import dispatcher_pb2
+
+        stub = self.stub()
+        # A loopback address where nothing listens: the dispatcher's task pushes fail fast.
+        address = f"127.{100 + self.index}.{i // 250}.{i % 250 + 1}:9"
+        uid = random.getrandbits(62)
+        tasks: dict[int, asyncio.Task] = {}
+        await asyncio.sleep(random.random() * WORKER_HEARTBEAT_S)
+        while True:
+            began = time.monotonic()
+            response = await self.call("worker_heartbeat", stub.WorkerHeartbeat,
+                                       dispatcher_pb2.WorkerHeartbeatRequest(
+                                           worker_address=address, worker_uid=uid,
+                                           current_tasks=list(tasks), host_id="sim",
+                                           process_id=f"sim-{self.index}-{i}"))
+            if response is not None:
+                for task in response.new_tasks:
+                    if task.task_id not in tasks:
+                        tasks[task.task_id] = asyncio.ensure_future(self.split_loop(stub, task))
+                for task_id in response.tasks_to_delete:
+                    loop = tasks.pop(task_id, None)
+                    if loop is not None:
+                        loop.cancel()
+                if not registered.done():
+                    registered.set_result(None)
+            await asyncio.sleep(max(0.0, WORKER_HEARTBEAT_S - (time.monotonic() - began)))
+
+    async def split_loop(self, stub, task) -> None:
+        from torch_dataservice.proto import common_pb2, dispatcher_pb2
+
+        interval = 1 / self.split_rate
+        request_id, finished = 0, None
+        due = time.monotonic() + random.random() * interval
+        while True:
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            due = max(due + interval, time.monotonic())  # behind: no burst to catch up
+            request_id += 1
+            request = dispatcher_pb2.GetSplitRequest(
+                iteration_id=task.iteration_id, repetition=0, task_id=task.task_id,
+                replica=FEED_REPLICA, request_id=request_id, max_splits=1)
+            if finished is not None:
+                request.finished_splits.add(
+                    split=common_pb2.SplitKey(repetition=0, index=finished),
+                    elements=SPLIT_SIZE)
+            response = await self.call("get_split", stub.GetSplit, request)
+            if response is None:
+                request_id -= 1  # retried as the same request next time
+                continue
+            if response.end_of_splits:
+                return
+            finished = response.split_index
+            self.received.append((task.task_id, response.split_index))
+
+    async def client(self, joined: asyncio.Future) -> None:
+        from torch_dataservice.proto import common_pb2, dispatcher_pb2
+
+        stub = self.stub()
+        while True:
+            response = await self.call("join", stub.GetOrCreateIteration,
+                                       dispatcher_pb2.GetOrCreateIterationRequest(
+                                           job_id=self.job_id, repetition=0))
+            if response is not None:
+                break
+            await asyncio.sleep(0.5)
+        client_id = response.client_id
+        joined.set_result(None)
+        await asyncio.sleep(random.random() * CLIENT_HEARTBEAT_S)
+        offsets = list(range(SPLIT_SIZE))
+        while True:
+            began = time.monotonic()
+            request = dispatcher_pb2.ClientHeartbeatRequest(client_id=client_id)
+            # This client received some of the splits this process's workers handed out.
+            for _ in range(min(len(self.received), 1 + len(self.received) // max(1, self.clients))):
+                task_id, index = self.received.popleft()
+                request.received.add(task_id=task_id,
+                                     split=common_pb2.SplitKey(repetition=0, index=index),
+                                     offsets=offsets)
+            await self.call("client_heartbeat", stub.ClientHeartbeat, request)
+            await asyncio.sleep(max(0.0, CLIENT_HEARTBEAT_S - (time.monotonic() - began)))
+
+    async def grow(self, workers: int, clients: int) -> None:
+        loop = asyncio.get_running_loop()
+        waits = []
+        while self.workers < workers:
+            future = loop.create_future()
+            self.coroutines.append(asyncio.ensure_future(self.worker(self.workers, future)))
+            self.workers += 1
+            waits.append(future)
+        while self.clients < clients:
+            future = loop.create_future()
+            self.coroutines.append(asyncio.ensure_future(self.client(future)))
+            self.clients += 1
+            waits.append(future)
+        await asyncio.wait_for(asyncio.gather(*waits), 120)
+
+    def stats(self, t0: float, t1: float) -> dict:
+        counts: dict[str, int] = {}
+        latencies = []
+        while self.events and self.events[0][0] < t0:
+            self.events.popleft()
+        for end, kind, latency in self.events:
+            if end <= t1:
+                counts[kind] = counts.get(kind, 0) + 1
+                if kind == "get_split":
+                    latencies.append(latency)
+        errors = [kind for end, kind in self.errors if t0 <= end <= t1]
+        return {"counts": counts, "split_latencies": latencies, "errors": errors}
+
+
+def _sim_main(address: str, index: int, split_rate: float, conn) -> None:
+    asyncio.run(_sim_loop(Sim(address, index, split_rate), conn))
+
+
+async def _sim_loop(sim: Sim, conn) -> None:
+    loop = asyncio.get_running_loop()
+    conn.send("ready")
+    while True:
+        command = await loop.run_in_executor(None, conn.recv)
+        if command[0] == "stop":
+            for coroutine in sim.coroutines:
+                coroutine.cancel()
+            for channel in sim.channels:
+                await channel.close()
+            conn.send("stopped")
+            return
+        if command[0] == "grow":
+            _, workers, clients, sim.job_id = command
+            try:
+                await sim.grow(workers, clients)
+                conn.send(("grown", None))
+            except Exception as error:  # noqa: BLE001 - reported to the parent
+                conn.send(("grown", f"{type(error).__name__}: {error}"))
+        elif command[0] == "stats":
+            conn.send(sim.stats(command[1], command[2]))
+
+
+class Sims:
+    def __init__(self, address: str, n: int, split_rate: float) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conns, self.procs = [], []
+        for i in range(n):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_sim_main, args=(address, i, split_rate, child),
+                               daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        for conn in self.conns:
+            if not conn.poll(120) or conn.recv() != "ready":
+                raise RuntimeError("a simulator process did not start")
+
+    def grow(self, workers: int, clients: int, job_id: int) -> None:
+        n = len(self.conns)
+        for i, conn in enumerate(self.conns):  # spread as evenly as possible
+            conn.send(("grow", workers // n + (i < workers % n),
+                       clients // n + (i < clients % n), job_id))
+        for conn in self.conns:
+            if not conn.poll(150):
+                raise RuntimeError("simulators did not grow in 150 s")
+            _, error = conn.recv()
+            if error:
+                raise RuntimeError(f"a simulator failed to grow: {error}")
+
+    def stats(self, t0: float, t1: float) -> list[dict]:
+        for conn in self.conns:
+            conn.send(("stats", t0, t1))
+        return [conn.recv() for conn in self.conns]
+
+    def close(self) -> None:
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send(("stop",))
+        for conn, proc in zip(self.conns, self.procs, strict=True):
+            with contextlib.suppress(OSError, EOFError):
+                if conn.poll(10):
+                    conn.recv()
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+
+
+# ============================================================================ the dispatcher
+
+
+class Dispatcher:
+    def __init__(self, work_dir: str | None) -> None:
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        args = ["dispatcher", "--port", "0", "--host", "127.0.0.1"]
+        if work_dir:
+            args += ["--fault-tolerant", "--work-dir", work_dir]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "torch_dataservice", "--log-level", "ERROR", *args],
+            stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        ready = "dispatcher serving at grpc://"
+        if not line.startswith(ready):
+            self.close()
+            raise RuntimeError(f"the dispatcher did not start: {line!r}")
+        self.address = line[len(ready):].strip()
+
+    def cpu_seconds(self) -> float:
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime+stime
+
+    def rss_mb(self) -> float:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def create_job(address: str, tag: str) -> int:
+    """Register an effectively endless DYNAMIC dataset and create one shared job on it."""
+    import torch_dataservice as tds
+    from torch_dataservice.policies import ShardingPolicy
+    from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
+    from torch_dataservice.rpc import channel_to
+
+    pipeline = tds.Pipeline.range(10**12).with_split_size(SPLIT_SIZE)
+    dataset_id = tds.register_dataset(f"grpc://{address}", pipeline, compression=None)
+    stub = dispatcher_pb2_grpc.DispatcherServiceStub(channel_to(address))
+    return stub.GetOrCreateJob(dispatcher_pb2.GetOrCreateJobRequest(config=common_pb2.JobConfig(
+        dataset_id=dataset_id, job_name=f"capacity-{tag}",
+        sharding_policy=int(ShardingPolicy.DYNAMIC), target_workers="ANY")),
+        timeout=30).job_id
+
+
+# ============================================================================ measuring
+
+
+@dataclass
+class Row:
+    mode: str  # "memory" or "journal"
+    series: str  # "both" (n workers + n clients), "workers" (n + 1 client), "clients" (1 + n)
+    workers: int
+    clients: int
+    seconds: float
+    cores: float  # dispatcher CPU seconds per wall second
+    rss_mb: float
+    offered_rps: float
+    achieved_rps: float
+    split_rps: float
+    split_p50_ms: float
+    split_p99_ms: float
+    errors: int
+
+    @property
+    def sustained(self) -> bool:
+        return self.cores <= BUDGET_CORES and self.achieved_rps >= 0.95 * self.offered_rps
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+SERIES = {"both": lambda n: (n, n), "workers": lambda n: (n, 1), "clients": lambda n: (1, n)}
+
+
+def run_mode(mode: str, series: str, steps: list[int], seconds: float, ramp: float,
+             procs: int, split_rate: float, stop_cores: float, log) -> list[Row]:
+    rows: list[Row] = []
+    work_dir = tempfile.mkdtemp(prefix="tds-capacity-") if mode == "journal" else None
+    dispatcher = Dispatcher(work_dir)
+    sims = None
+    try:
+        job_id = create_job(dispatcher.address, mode)
+        sims = Sims(dispatcher.address, procs, split_rate)
+        for n in steps:
+            workers, clients = SERIES[series](n)
+            sims.grow(workers, clients, job_id)
+            time.sleep(ramp)  # every worker has its task and is asking for splits
+            t0, cpu0 = time.time(), dispatcher.cpu_seconds()
+            time.sleep(seconds)
+            t1, cpu1 = time.time(), dispatcher.cpu_seconds()
+            stats = sims.stats(t0, t1)
+            wall = t1 - t0
+            counts: dict[str, int] = {}
+            latencies: list[float] = []
+            errors = 0
+            for s in stats:
+                for kind, count in s["counts"].items():
+                    counts[kind] = counts.get(kind, 0) + count
+                latencies += s["split_latencies"]
+                errors += len(s["errors"])
+            offered = (workers / WORKER_HEARTBEAT_S + workers * split_rate
+                       + clients / CLIENT_HEARTBEAT_S)
+            achieved = sum(counts.get(k, 0) for k in
+                           ("worker_heartbeat", "get_split", "client_heartbeat")) / wall
+            row = Row(mode, series, workers, clients, wall, (cpu1 - cpu0) / wall,
+                      dispatcher.rss_mb(), offered, achieved, counts.get("get_split", 0) / wall,
+                      1000 * percentile(latencies, 0.5), 1000 * percentile(latencies, 0.99),
+                      errors)
+            rows.append(row)
+            log(f"  {mode}: {workers} workers + {clients} clients: dispatcher "
+                f"{row.cores:.2f} cores, "
+                f"GetSplit p50 {row.split_p50_ms:.1f} ms p99 {row.split_p99_ms:.1f} ms, "
+                f"RPCs {achieved:,.0f}/{offered:,.0f} per s")
+            if row.cores > stop_cores:
+                log(f"  {mode}: above {stop_cores} cores: larger steps skipped")
+                break
+    finally:
+        if sims is not None:
+            sims.close()
+        dispatcher.close()
+        if work_dir:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    return rows
+
+
+def print_table(rows: list[Row]) -> None:
+    header = (f"{'mode':<8} {'series':<8} {'workers':>7} {'clients':>7} {'disp cores':>10} "
+              f"{'RSS MB':>7} "
+              f"{'RPC/s done/offered':>19} {'GetSplit/s':>10} {'p50 ms':>7} {'p99 ms':>7} "
+              f"{'errors':>6}  <=0.5 core")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        done = f"{r.achieved_rps:,.0f}/{r.offered_rps:,.0f}"
+        print(f"{r.mode:<8} {r.series:<8} {r.workers:>7} {r.clients:>7} {r.cores:>10.2f} "
+              f"{r.rss_mb:>7.0f} "
+              f"{done:>19} {r.split_rps:>10,.0f} {r.split_p50_ms:>7.1f} {r.split_p99_ms:>7.1f} "
+              f"{r.errors:>6}  {'yes' if r.sustained else 'NO'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="short steps (about a minute)")
+    parser.add_argument("--steps", default=None,
+                        help="workers (= clients) per step (quick 10,50,100,200; "
+                             "full 10,25,50,100,200,400)")
+    parser.add_argument("--modes", default="memory,journal",
+                        help="memory (no journal), journal (--fault-tolerant --work-dir)")
+    parser.add_argument("--series", default=None,
+                        help="both (n workers + n clients), workers (n + 1 client), clients "
+                             "(1 worker + n); quick: both; full: both,workers,clients (the "
+                             "last two in memory mode only)")
+    parser.add_argument("--seconds", type=float, default=None,
+                        help="measured window per step (quick 3, full 8)")
+    parser.add_argument("--ramp", type=float, default=1.5, help="seconds before each window")
+    parser.add_argument("--procs", type=int, default=3, help="simulator processes")
+    parser.add_argument("--split-rate", type=float, default=2.0,
+                        help="GetSplit per second per worker task (default: 2)")
+    parser.add_argument("--stop-cores", type=float, default=1.2,
+                        help="skip larger steps once the dispatcher used this many cores")
+    parser.add_argument("--json", default=None, help="write the rows to this JSON file")
+    args = parser.parse_args(argv)
+    steps = [int(s) for s in (args.steps or ("10,25,50,100,200" if args.quick
+                                             else "10,25,50,100,200,400")).split(",")]
+    seconds = args.seconds or (3.0 if args.quick else 8.0)
+    began = time.perf_counter()
+    rows: list[Row] = []
+    modes = args.modes.split(",")
+    if args.series:
+        runs = [(mode, series) for series in args.series.split(",") for mode in modes]
+    else:
+        runs = [(mode, "both") for mode in modes]
+        if not args.quick:
+            runs += [(modes[0], "workers"), (modes[0], "clients")]
+    for mode, series in runs:
+        if series not in SERIES:
+            parser.error(f"unknown series {series!r}")
+        rows += run_mode(mode, series, steps, seconds, args.ramp, args.procs, args.split_rate,
+                         args.stop_cores, lambda m: print(m, flush=True))
+
+    print()
+    print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, "
+          f"{'quick' if args.quick else 'full'} mode, {seconds:g} s per step, "
+          f"{args.procs} simulator processes, worker heartbeat {WORKER_HEARTBEAT_S * 1000:.0f} "
+          f"ms, client heartbeat {CLIENT_HEARTBEAT_S * 1000:.0f} ms, {args.split_rate:g} "
+          f"GetSplit/s per worker, {time.perf_counter() - began:.0f} s; baseline: the offered "
+          f"RPC rate and a budget of {BUDGET_CORES} core")
+    print_table(rows)
+    for mode, series in dict.fromkeys((r.mode, r.series) for r in rows):
+        ok = [r for r in rows if (r.mode, r.series) == (mode, series) and r.sustained]
+        best = max(ok, key=lambda r: r.workers + r.clients, default=None)
+        print(f"{mode}/{series}: within {BUDGET_CORES} core, the largest step sustained: "
+              + (f"{best.workers} workers + {best.clients} clients" if best else "none"))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "dispatcher_capacity", "cores": os.cpu_count(),
+                       "split_rate": args.split_rate, "budget_cores": BUDGET_CORES,
+                       "worker_heartbeat_s": WORKER_HEARTBEAT_S,
+                       "client_heartbeat_s": CLIENT_HEARTBEAT_S,
+                       "rows": [{**asdict(r), "sustained": r.sustained} for r in rows]},
+                      f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())

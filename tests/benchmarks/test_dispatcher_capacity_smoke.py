@@ -1,0 +1,33 @@
+"""Smoke test: benchmarks/dispatcher_capacity.py runs tiny steps and prints its figure lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_dispatcher_capacity_runs_and_prints_its_table(tmp_path: Path) -> None:
+    out = tmp_path / "capacity.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "dispatcher_capacity.py"), "--steps", "2,4",
+         "--seconds", "1", "--ramp", "1", "--procs", "2", "--modes", "memory,journal",
+         "--series", "both",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=160, env=env, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "disp cores" in result.stdout and "p99 ms" in result.stdout
+    assert "memory/both" in result.stdout and "journal/both" in result.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mode"], r["workers"]) for r in rows] == [
+        ("memory", 2), ("memory", 4), ("journal", 2), ("journal", 4)]
+    assert all(r["split_rps"] > 0 and r["split_p50_ms"] > 0 for r in rows)
