@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from torch_dataservice.policies import STATIC_POLICIES
+from torch_dataservice.policies import STATIC_POLICIES, ShardingPolicy
 from torch_dataservice.proto import common_pb2, dispatcher_pb2
 
 Update = dispatcher_pb2.Update
@@ -382,12 +382,20 @@ class DispatcherState:
         tasks = list(self.iteration_tasks(iteration))
         if not tasks or not all(task.finished for task in tasks):
             return False
-        if self.jobs[iteration.job_id].config.sharding_policy in STATIC_POLICIES:
-            # A static shard belongs to a fixed worker address: a task lost with its worker is
-            # done only once a task of a restarted worker at that address has replaced it.
-            done = {t.worker_address for t in tasks if not t.lost}
+        config = self.jobs[iteration.job_id].config
+        if config.sharding_policy == ShardingPolicy.DYNAMIC or config.HasField("num_consumers"):
+            return True  # lost splits were requeued; coordinated reads agree on removals
+        # A task's work belongs to its worker's address: a static shard, or under OFF the whole
+        # dataset. A task lost with its worker is done once a task at that address finished in
+        # its place (a restarted worker starts the task over, as in tf.data service). Under
+        # OFF, a worker that does not come back is given up (at most once, as tf.data service)
+        # once another task finished; an iteration whose every task was lost waits for a worker
+        # rather than end the epoch silently.
+        done = {t.worker_address for t in tasks if not t.lost}
+        if config.sharding_policy in STATIC_POLICIES:
             return all(t.worker_address in done for t in tasks)
-        return True
+        return bool(done) and all(
+            t.worker_address in done or t.worker_address not in self.workers for t in tasks)
 
     def active_iterations(self) -> Iterator[Iteration]:
         return (
