@@ -223,6 +223,15 @@ class ServiceSource:
         with self._lock:
             repetition = self._iterations
             self._iterations += 1
+        if repetition and self._options.cross_trainer_cache is not None:
+            # As tf.data service: the cache job is infinite and shared by trainer ids; a second
+            # iteration would be a new job iteration whose cache starts at 0, so trainers on
+            # different passes would silently stop sharing elements.
+            raise ValueError(
+                f"a reader with cross_trainer_cache (trainer_id="
+                f"{self._options.cross_trainer_cache.trainer_id!r}) may be iterated only once: "
+                "its job is infinite, so keep iterating the first iterator instead of calling "
+                "iter() again (a repeat() after distribute() iterates again too)")
         named = self._job_name is not None
         config = self._options.job_config(self._dataset_id, self._job_name or "")
         reader = IterationReader(
