@@ -644,10 +644,14 @@ class IterationReader:
             return
         self._closed.set()
         self._data_ports.close()
+        with self._received_lock:
+            unreported, self._unreported = self._unreported, {}
+        request = dispatcher_pb2.ReleaseIterationClientRequest(client_id=self.client_id)
+        for (repetition, index), offsets in unreported.items():
+            request.received.add(split=common_pb2.SplitKey(repetition=repetition, index=index),
+                                 offsets=offsets)
         try:
-            self._dispatcher.ReleaseIterationClient(
-                dispatcher_pb2.ReleaseIterationClientRequest(client_id=self.client_id),
-                timeout=2)
+            self._dispatcher.ReleaseIterationClient(request, timeout=2)
         except grpc.RpcError:
             pass  # the dispatcher collects silent clients itself
 

@@ -387,8 +387,8 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         """
         return self._state.job(iteration.job_id).config.HasField("num_consumers")
 
-    def _record_delivered(self, iteration: Iteration,
-                          request: dispatcher_pb2.ClientHeartbeatRequest) -> None:
+    def _record_delivered(self, iteration: Iteration, request: Any) -> None:
+        """Record the offsets a ClientHeartbeat or ReleaseIterationClient request received."""
         self._heartbeats += 1
         self._client_heartbeat[request.client_id] = self._heartbeats
         requeued = {(s.repetition, s.index) for s in iteration.requeued}
@@ -435,6 +435,9 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
     def ReleaseIterationClient(self, request, context):
         with self._lock:
             if request.client_id in self._state.clients:
+                # What it received last is delivered: the splits it held are not read again.
+                self._record_delivered(self._state.iteration_of_client(request.client_id),
+                                       request)
                 self._release_client(request.client_id)
         return dispatcher_pb2.ReleaseIterationClientResponse()
 
@@ -442,6 +445,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         iteration_id = self._state.clients[client_id]
         self._apply(Update(release_client=dispatcher_pb2.ReleaseClient(client_id=client_id)))
         self._client_seen.pop(client_id, None)
+        self._client_heartbeat.pop(client_id, None)
         self._settled_sent.pop(client_id, None)
         if not self._state.iterations[iteration_id].client_ids:
             self._settled.pop(iteration_id, None)

@@ -112,10 +112,12 @@ class SettledSplit(_message.Message):
     def __init__(self, split: _Optional[_Union[_common_pb2.SplitKey, _Mapping]] = ..., num_elements: _Optional[int] = ...) -> None: ...
 
 class ReleaseIterationClientRequest(_message.Message):
-    __slots__ = ("client_id",)
+    __slots__ = ("client_id", "received")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
     client_id: int
-    def __init__(self, client_id: _Optional[int] = ...) -> None: ...
+    received: _containers.RepeatedCompositeFieldContainer[ReceivedSplit]
+    def __init__(self, client_id: _Optional[int] = ..., received: _Optional[_Iterable[_Union[ReceivedSplit, _Mapping]]] = ...) -> None: ...
 
 class ReleaseIterationClientResponse(_message.Message):
     __slots__ = ()
