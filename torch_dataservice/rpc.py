@@ -122,16 +122,44 @@ def retry(
             backoff = min(backoff * 2, max_backoff_s)
 
 
+# Request integers (ids, repetitions, offsets, rounds, counts) are never negative (a static
+# worker index may be -1: none) and stay far from int64's end, so that no `+ 1` on them
+# overflows what the journal's protobuf records can hold.
+MAX_REQUEST_INT = 2**62
+_MAY_BE_MINUS_ONE = frozenset({"worker_index"})
+
+
+def check_request(message: Any, path: str = "") -> None:
+    """Refuse (ValueError, naming the field) integers a well-behaved peer never sends."""
+    for field, value in message.ListFields():
+        name = f"{path}{field.name}"
+        if field.message_type is not None:
+            for item in (value if _repeated(field) else (value,)):
+                check_request(item, f"{name}.")
+        elif isinstance(value, int) or (_repeated(field) and value and isinstance(value[0], int)):
+            low = -1 if field.name in _MAY_BE_MINUS_ONE else 0
+            for number in (value if _repeated(field) else (value,)):
+                if not low <= number < MAX_REQUEST_INT:
+                    raise ValueError(f"{name}={number} is out of range [{low}, 2**62)")
+
+
+def _repeated(field: Any) -> bool:
+    return field.is_repeated
+
+
 def servicer_method(method: Callable[..., Any]) -> Callable[..., Any]:
     """Map handler exceptions to gRPC statuses with the message a caller can act on.
 
-    NotReadyError -> UNAVAILABLE (retryable), ValueError -> INVALID_ARGUMENT,
-    KeyError/LookupError -> NOT_FOUND, anything else -> INTERNAL with its type and message.
+    Requests are checked first (`check_request`): a field out of range is INVALID_ARGUMENT
+    and never reaches the state. NotReadyError -> UNAVAILABLE (retryable), ValueError ->
+    INVALID_ARGUMENT, KeyError/LookupError -> NOT_FOUND, anything else -> INTERNAL with its
+    type and message.
     """
 
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
+            check_request(request)
             return method(self, request, context)
         except NotReadyError as error:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(error))

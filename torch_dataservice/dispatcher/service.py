@@ -190,11 +190,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                 _check_matching_job(self._state.job(job_id).config, config)
                 return dispatcher_pb2.GetOrCreateJobResponse(job_id=job_id)
             job_id = self._state.peek_id("job")
-            stored = common_pb2.JobConfig()
-            stored.CopyFrom(config)
-            if not stored.job_name:
-                stored.job_name = f"anonymous_job_{job_id}"
-            self._apply(Update(create_job=dispatcher_pb2.CreateJob(job_id=job_id, config=stored)))
+            self._apply(Update(create_job=dispatcher_pb2.CreateJob(job_id=job_id, config=config)))
             return dispatcher_pb2.GetOrCreateJobResponse(job_id=job_id)
 
     def _validate_job(self, config: common_pb2.JobConfig, dataset: common_pb2.DatasetDef) -> None:

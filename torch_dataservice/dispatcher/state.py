@@ -154,7 +154,8 @@ class DispatcherState:
         if name in self.job_by_name:
             raise InvalidTransition(f"job name {name!r} already exists")
         self.jobs[u.job_id] = Job(u.job_id, name, u.config)
-        self.job_by_name[name] = u.job_id
+        if name:  # an anonymous job has no name, so no user-chosen name can collide with it
+            self.job_by_name[name] = u.job_id
         self._take_id("job", u.job_id)
 
     def _apply_create_iteration(self, u: dispatcher_pb2.CreateIteration) -> None:

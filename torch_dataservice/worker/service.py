@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from torch_dataservice.proto import worker_pb2
-from torch_dataservice.rpc import WORKER_SERVICE_NAME
+from torch_dataservice.rpc import WORKER_SERVICE_NAME, check_request
 from torch_dataservice.wire import frame
 from torch_dataservice.worker.local import encode_elements
 from torch_dataservice.worker.tasks import TaskManager
@@ -63,6 +63,10 @@ class WorkerService:
             context.abort(grpc.StatusCode.UNAVAILABLE,
                           "worker has not registered with the dispatcher yet")
         try:
+            check_request(request)
+        except ValueError as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        try:
             header, payloads = self.fetch(request)
         except LookupError:
             context.abort(grpc.StatusCode.UNAVAILABLE,
@@ -74,6 +78,10 @@ class WorkerService:
 
     def ProcessTask(self, request: worker_pb2.ProcessTaskRequest,
                     context: grpc.ServicerContext) -> worker_pb2.ProcessTaskResponse:
+        try:
+            check_request(request)
+        except ValueError as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         self._tasks.add(request.task)
         return worker_pb2.ProcessTaskResponse()
 
