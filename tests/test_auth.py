@@ -69,3 +69,17 @@ def test_with_a_token_every_call_must_carry_it(monkeypatch) -> None:
         # With the right token the call reaches the handler (which says the client is unknown).
         error = _raw_heartbeat(dispatcher.address, [(auth.METADATA_KEY, "s3cret")])
         assert error is not None and error.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.timeout(60)
+def test_a_channel_made_before_the_token_was_set_is_not_reused(monkeypatch) -> None:
+    """Channels are shared per address: one made without a token (an earlier server on a
+    reused port) must not be handed out once the token is set."""
+    from torch_dataservice.rpc import channel_to
+
+    address = "127.0.0.1:1"
+    monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
+    plain = channel_to(address)
+    monkeypatch.setenv(auth.TOKEN_ENV, "s3cret")
+    assert channel_to(address) is not plain
+    assert channel_to(address) is channel_to(address)

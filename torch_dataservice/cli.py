@@ -13,6 +13,7 @@ import threading
 from collections.abc import Sequence
 
 from torch_dataservice.config import DispatcherConfig, WorkerConfig
+from torch_dataservice.errors import JournalCorruptError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="directory for the journal of dispatcher state (fault tolerance)")
     d.add_argument("--fault-tolerant", action="store_true",
                    help="journal every state change to --work-dir and replay it on start")
+    d.add_argument("--journal-recovery", choices=("fail", "truncate"), default="fail",
+                   help="a journal damaged in the middle: refuse to start (fail, default) or "
+                        "cut it at the damage, losing the records after it (truncate)")
     d.add_argument("--worker-addresses", default=None,
                    help="comma-separated fixed worker list HOST:PORT,... (needed by static "
                         "sharding: FILE, DATA, FILE_OR_DATA, HINT)")
@@ -84,6 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             server = DispatchServer(DispatcherConfig(
                 port=args.port, host=args.host, work_dir=args.work_dir,
                 fault_tolerant_mode=args.fault_tolerant, worker_addresses=addresses,
+                journal_recovery=args.journal_recovery,
                 worker_timeout_ms=args.worker_timeout_ms,
                 job_gc_timeout_ms=args.job_gc_timeout_ms))
             print(f"dispatcher serving at {server.target}", flush=True)
@@ -104,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
             return 2
         return 0
-    except (ValueError, OSError) as error:
+    except (ValueError, OSError, JournalCorruptError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
 

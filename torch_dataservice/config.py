@@ -21,6 +21,9 @@ def _check_protocol(protocol: str) -> None:
         raise ValueError(f"protocol must be 'grpc', got {protocol!r}")
 
 
+JOURNAL_RECOVERY = ("fail", "truncate")
+
+
 @dataclass
 class DispatcherConfig:
     """How a dispatcher runs. `port=0` picks a free port.
@@ -28,6 +31,9 @@ class DispatcherConfig:
     `worker_addresses` fixes the worker list that static sharding (FILE, DATA, FILE_OR_DATA,
     HINT) needs: N is its length and a worker's index is its position. `fault_tolerant_mode`
     journals every state change to `work_dir` so a restarted dispatcher loses nothing.
+    `journal_recovery`: a journal damaged in the middle refuses to start ("fail"), or is cut
+    at the damage ("truncate": the records after it are lost, and the iterations that were
+    running fail rather than hand out data again).
     """
 
     port: int = 0
@@ -39,10 +45,14 @@ class DispatcherConfig:
     job_gc_timeout_ms: int | None = None
     worker_timeout_ms: int | None = None
     host: str = "localhost"
+    journal_recovery: str = "fail"
 
     def __post_init__(self) -> None:
         _check_port(self.port)
         _check_protocol(self.protocol)
+        if self.journal_recovery not in JOURNAL_RECOVERY:
+            raise ValueError(f"journal_recovery must be one of {JOURNAL_RECOVERY}, "
+                             f"got {self.journal_recovery!r}")
         if self.fault_tolerant_mode and not self.work_dir:
             raise ValueError("fault_tolerant_mode=True requires a work_dir, got work_dir=None")
         if self.worker_addresses is not None:

@@ -118,3 +118,9 @@ def is_retryable(error: BaseException) -> bool:
 
 class NotReadyError(Exception):
     """Raised by service handlers for 'not ready yet': mapped to UNAVAILABLE (retryable)."""
+
+
+class JournalCorruptError(RuntimeError):
+    """The dispatcher's journal is damaged in the middle (not a torn tail from a crash):
+    replaying past the damage would roll state back and hand out data twice. The message
+    names the file and byte offset, and how to recover (`journal_recovery="truncate"`)."""

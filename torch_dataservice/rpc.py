@@ -65,19 +65,21 @@ def parse_service(service: Any) -> tuple[str, str]:
     return protocol, address
 
 
-_channels: dict[str, grpc.Channel] = {}
+_channels: dict[tuple[str, str | None], grpc.Channel] = {}
 _channels_lock = threading.Lock()
 
 
 def channel_to(address: str) -> grpc.Channel:
-    """A shared channel to `address` (one per address per process), carrying the fleet's
-    token when one is set (see auth.py)."""
+    """A shared channel to `address` (one per address and token per process), carrying the
+    fleet's token when one is set (see auth.py). Keyed by the token too: a channel made before
+    the token was set must not serve a server that requires it (e.g. on a reused port)."""
+    key = (address, auth.token())
     with _channels_lock:
-        channel = _channels.get(address)
+        channel = _channels.get(key)
         if channel is None:
             channel = auth.secure_channel(
                 grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
-            _channels[address] = channel
+            _channels[key] = channel
         return channel
 
 

@@ -50,3 +50,14 @@ def write_journal(work_dir: Path, updates: list, compact_every: int) -> tuple[Di
     journal.sync()
     journal.close()
     return state, compactions
+
+
+def client_request(service: DispatcherService, client_id: int) -> Any:
+    """A heartbeat as a live reader sends it: fencing every lost task of its iteration (a
+    reader fences what the previous reply listed as lost; see dispatcher/splits.py)."""
+    from torch_dataservice.dispatcher import splits
+    from torch_dataservice.proto import dispatcher_pb2
+
+    iteration = service.state.iteration_of_client(client_id)
+    return dispatcher_pb2.ClientHeartbeatRequest(
+        client_id=client_id, fenced_tasks=sorted(splits.lost_tasks(service.state, iteration)))

@@ -12,10 +12,11 @@ import pytest
 from tests.dispatcher.service_support import write_journal
 from tests.dispatcher.test_state import _history, build, one_iteration, produce_split
 from torch_dataservice.config import DispatcherConfig
-from torch_dataservice.dispatcher import file_journal
+from torch_dataservice.dispatcher import file_journal, snapshot
 from torch_dataservice.dispatcher.file_journal import HEADER, FileJournal
 from torch_dataservice.dispatcher.service import DispatcherService
 from torch_dataservice.dispatcher.state import DispatcherState
+from torch_dataservice.errors import JournalCorruptError
 from torch_dataservice.proto import common_pb2, dispatcher_pb2
 
 Update = dispatcher_pb2.Update
@@ -70,7 +71,7 @@ def test_a_torn_tail_is_dropped_with_a_warning(tmp_path: Path, cut: int,
     assert "torn record" in caplog.text
 
 
-def test_a_corrupt_record_ends_its_file_but_not_the_journal(
+def test_a_corrupt_record_mid_file_is_refused_or_cut_on_request(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     updates = one_iteration()
     write(tmp_path, updates[:4])
@@ -80,9 +81,15 @@ def test_a_corrupt_record_ends_its_file_but_not_the_journal(
     second_record = HEADER.size + len(updates[0].SerializeToString())
     data[second_record + HEADER.size + 1] ^= 0xFF  # a bit flip inside record 2's payload
     first.write_bytes(bytes(data))
+    # Corruption, not a torn tail: replaying around it would roll the state back.
+    with pytest.raises(JournalCorruptError, match=f"log_0 is damaged at byte {second_record}"):
+        replayed(tmp_path)
+    journal = FileJournal(tmp_path, recovery="truncate")
     with caplog.at_level(logging.WARNING):
-        assert replayed(tmp_path) == [updates[0], *updates[4:]]
-    assert "fails its checksum" in caplog.text
+        assert list(journal.replay()) == [updates[0]]  # the later log is cut too
+    journal.close()
+    assert "fails its checksum" in caplog.text, caplog.text
+    assert "1 later log file(s) hold 4 record(s)" in caplog.text, caplog.text
 
 
 def test_sync_is_group_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -116,7 +123,7 @@ def test_compaction_writes_a_snapshot_and_a_fresh_log(tmp_path: Path) -> None:
     assert names == [f"log_{compactions}", f"snapshot_{compactions}"]  # old files are gone
     restored = DispatcherState()
     for update in replayed(tmp_path):
-        restored.apply(update)
+        snapshot.apply(restored, update)
     assert restored == state == build(*_history())
     # The next incarnation appends after the snapshot and still replays everything.
     extra = produce_split(2001, 0, 0, task_id=4002)

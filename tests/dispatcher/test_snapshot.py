@@ -192,12 +192,12 @@ def test_the_restored_state_goes_on_like_the_original() -> None:
 
 def test_state_snapshot_update_holds_a_dispatcher_snapshot_not_a_pickle() -> None:
     original = build(*rich_history())
-    update = original.snapshot()
+    update = snapshot.snapshot_update(original)
     message = snapshot_pb2.DispatcherSnapshot.FromString(update.snapshot.state)
     assert message.schema_version == snapshot.SCHEMA_VERSION
     assert message == snapshot.to_proto(original)
     target = build(*rich_history()[:5])
-    target.apply(update)
+    snapshot.apply(target, update)
     assert_same(original, target)
 
 
@@ -234,7 +234,7 @@ def test_a_state_survives_compaction_and_restart(tmp_path: Path) -> None:
     assert stored.schema_version == snapshot.SCHEMA_VERSION
     restored = DispatcherState()
     for update in replayed(tmp_path):
-        restored.apply(update)
+        snapshot.apply(restored, update)
     assert_same(live, restored)
     assert_same(build(*rich_history()), restored)
 
@@ -294,7 +294,7 @@ def test_a_snapshot_of_a_newer_schema_version_is_refused_clearly(tmp_path: Path)
 def test_a_snapshot_that_is_not_a_dispatcher_snapshot_is_refused(payload: bytes) -> None:
     update = Update(snapshot=dispatcher_pb2.StateSnapshot(state=payload))
     with pytest.raises(snapshot.UnsupportedSnapshot, match="dispatcher snapshot"):
-        DispatcherState().apply(update)
+        snapshot.apply(DispatcherState(), update)
 
 
 def test_a_snapshot_file_holding_another_update_is_refused(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import copy
 import pytest
 
 from torch_dataservice.config import DispatcherConfig
+from torch_dataservice.dispatcher import snapshot
 from torch_dataservice.dispatcher.journal import NullJournal
 from torch_dataservice.dispatcher.service import DispatcherService
 from torch_dataservice.dispatcher.state import (
@@ -90,7 +91,7 @@ def garbage_collect(iteration_id: int) -> Update:
 def build(*updates: Update) -> DispatcherState:
     state = DispatcherState()
     for update in updates:
-        state.apply(update)
+        snapshot.apply(state, update)  # a replayed journal may start with a snapshot record
     return state
 
 

@@ -1,7 +1,9 @@
 """A consumer process for the fault tests: reads one DYNAMIC epoch of Pipeline.range(N).
 
-Usage: python -m tests.fault.consumer DISPATCHER_ADDRESS N OUT_FILE [JOB_NAME [MAX_RATE]]
-MAX_RATE (elements/s, 0 = unlimited) stretches the epoch so that faults land inside it.
+Usage: python -m tests.fault.consumer DISPATCHER_ADDRESS N OUT_FILE [JOB_NAME [MAX_RATE
+[FLUSH_EVERY]]]
+MAX_RATE (elements/s, 0 = unlimited) stretches the epoch so that faults land inside it;
+FLUSH_EVERY (default 256) elements are written at a time (1: each as it is taken).
 Appends every element it receives to OUT_FILE (one per line, flushed in batches) and writes
 a final "done" line when the epoch ended, so the test can count delivered, missing and
 duplicated elements even if this process is killed.
@@ -19,6 +21,7 @@ def main() -> int:
     address, n, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     job_name = sys.argv[4] if len(sys.argv) > 4 else "fault-epoch"
     max_rate = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
+    flush_every = int(sys.argv[6]) if len(sys.argv) > 6 else 256
     start = time.monotonic()
     count = 0
     pipeline = tds.Pipeline.range(n).map(lambda x: x).apply(
@@ -28,7 +31,7 @@ def main() -> int:
         for element in pipeline:
             batch.append(f"{int(element)}\n")
             count += 1
-            if len(batch) >= 256:
+            if len(batch) >= flush_every:
                 f.write("".join(batch))
                 f.flush()
                 batch.clear()

@@ -25,9 +25,17 @@ class Tally:
 
 
 def tally(out: Path, n: int) -> Tally:
-    lines = out.read_text().splitlines() if out.exists() else []
-    done = bool(lines) and lines[-1] == "done"
-    values = Counter(int(line) for line in lines if line and line != "done")
+    return tally_all([out], n)
+
+
+def tally_all(outs: list[Path], n: int) -> Tally:
+    """What consumers sharing one job received together (done: every one ended cleanly)."""
+    values: Counter[int] = Counter()
+    done = True
+    for out in outs:
+        lines = out.read_text().splitlines() if out.exists() else []
+        done = done and bool(lines) and lines[-1] == "done"
+        values.update(int(line) for line in lines if line and line != "done")
     return Tally(delivered=sum(values.values()),
                  missing=sum(1 for i in range(n) if i not in values),
                  duplicated=sum(count - 1 for count in values.values() if count > 1),
@@ -45,7 +53,7 @@ class Consumer:
     """`python -m tests.fault.consumer` reading a DYNAMIC epoch of range(n)."""
 
     def __init__(self, cluster: ProcessCluster, n: int, out: Path, job_name: str,
-                 max_rate: float = 0.0) -> None:
+                 max_rate: float = 0.0, flush_every: int = 256) -> None:
         assert cluster.dispatcher is not None
         self.out = out
         self.n = n
@@ -53,7 +61,7 @@ class Consumer:
         self._log_file = open(self.log, "w")  # noqa: SIM115 - closed in wait()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.fault.consumer", cluster.dispatcher.address, str(n),
-             str(out), job_name, str(max_rate)],
+             str(out), job_name, str(max_rate), str(flush_every)],
             cwd=str(REPO), env=cluster.env, stdout=self._log_file, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL)
 

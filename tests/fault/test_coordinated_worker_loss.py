@@ -1,5 +1,5 @@
 """Coordinated reads go on when a worker is killed: every consumer drops the lost task at the
-same round (dispatcher/service.py `_note_blocked`), and rounds stay one-worker-per-round.
+same round (dispatcher/coordinated.py `note_blocked`), and rounds stay one-worker-per-round.
 
 Real processes: a dispatcher and three workers through the CLI, one killed with SIGKILL while
 two consumers read in rounds.

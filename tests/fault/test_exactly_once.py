@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.dispatcher import service_support
-from tests.dispatcher.service_support import Clock
+from tests.dispatcher.service_support import Clock, client_request
 from torch_dataservice.dispatcher.service import DispatcherService
 from torch_dataservice.proto import common_pb2, dispatcher_pb2
 
@@ -55,7 +55,7 @@ def get_split(service: DispatcherService, iteration_id: int, task_id: int,
 
 
 def report(service: DispatcherService, client_id: int, split: int, offsets) -> None:
-    request = pb.ClientHeartbeatRequest(client_id=client_id)
+    request = client_request(service, client_id)
     request.received.add(split=common_pb2.SplitKey(repetition=0, index=split), offsets=offsets)
     service.ClientHeartbeat(request, None)
 
@@ -74,7 +74,7 @@ def test_a_dead_workers_split_is_handed_again_without_what_clients_received() ->
     assert service.state.task(b).splits == {(0, 2)}
     clock.now = 1.5
     heartbeat_worker(service, "b:1")  # b stays alive, a goes silent
-    service.ClientHeartbeat(pb.ClientHeartbeatRequest(client_id=client), None)
+    service.ClientHeartbeat(client_request(service, client), None)
     service.check_liveness()
     assert [s.index for s in service.state.iteration(iteration_id).requeued] == [0]
     # Not handed again until the client reported what it got since the requeue.

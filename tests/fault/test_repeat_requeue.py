@@ -13,6 +13,7 @@ import torch_dataservice as tds
 from tests.fault.test_exactly_once import (
     Clock,
     _get_split_no_context,
+    client_request,
     get_split,
     heartbeat_worker,
     make_service,
@@ -63,11 +64,11 @@ def test_the_wait_for_client_reports_is_bounded_by_worker_timeout() -> None:
         get_split(service, iteration_id, b)
     clock.now = 1.5
     heartbeat_worker(service, "b:1")
-    service.ClientHeartbeat(pb.ClientHeartbeatRequest(client_id=client), None)
+    service.ClientHeartbeat(client_request(service, client), None)
     service.check_liveness()  # a's split 0 is requeued
     clock.now = 2.0
-    service.ClientHeartbeat(pb.ClientHeartbeatRequest(client_id=client), None)
-    service._requeued_at[iteration_id] = 10**9  # noqa: SLF001 - as if no report could count
+    service.ClientHeartbeat(client_request(service, client), None)
+    service._soft.requeued_at[iteration_id] = 10**9  # noqa: SLF001 - as if no report could count
     with pytest.raises(Exception, match="UNAVAILABLE|wait for clients"):
         _get_split_no_context(service, iteration_id, b)
     clock.now = 2.6  # worker_timeout_ms after the requeue: handed with what is known

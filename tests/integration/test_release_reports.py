@@ -37,3 +37,6 @@ def test_a_closed_reader_is_not_read_again_after_its_iteration_is_collected(
     assert not set(consumed) & set(rest), (
         f"elements read twice: {sorted(set(consumed) & set(rest))[:10]}")
     assert len(set(rest)) == len(rest) and len(rest) + len(consumed) <= N
+    # What it had received and not yielded (its prefetch) was not acknowledged: the next
+    # reader gets it, so together they read the epoch exactly once.
+    assert sorted(consumed + rest) == list(range(N))

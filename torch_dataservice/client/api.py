@@ -199,6 +199,11 @@ class ServiceSource:
     Each call opens the next iteration: this object's k-th iteration joins iteration k of a
     named job, so readers of the same job name share each epoch, while iterating again starts
     the next one. Without a job name every iteration is an anonymous, exclusive job.
+
+    A pass over a shared job may be empty because the job's other readers consumed it: a
+    `repeat()` after `distribute()` goes on then (`empty_pass_ends`), and the next pass joins
+    the job's latest iteration at least, so a late joiner does not walk through every epoch
+    the others finished.
     """
 
     def __init__(self, options: ReadOptions, dataset_id: str, job_name: str | None) -> None:
@@ -206,6 +211,9 @@ class ServiceSource:
         self._dataset_id = dataset_id
         self._job_name = job_name
         self._iterations = 0
+        self._next_repetition = 0
+        self._last_pass_created = True
+        self._catch_up = False  # the last pass joined an iteration others had consumed
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
@@ -221,9 +229,12 @@ class ServiceSource:
         from torch_dataservice.client.reader import IterationReader
 
         with self._lock:
-            repetition = self._iterations
+            first = self._iterations == 0
             self._iterations += 1
-        if repetition and self._options.cross_trainer_cache is not None:
+            repetition = self._next_repetition
+            self._next_repetition += 1
+            catch_up, self._catch_up = self._catch_up, False
+        if not first and self._options.cross_trainer_cache is not None:
             # As tf.data service: the cache job is infinite and shared by trainer ids; a second
             # iteration would be a new job iteration whose cache starts at 0, so trainers on
             # different passes would silently stop sharing elements.
@@ -239,11 +250,28 @@ class ServiceSource:
             self._options.max_outstanding_requests, connect_timeout_s(),
             trainer_id=(self._options.cross_trainer_cache.trainer_id
                         if self._options.cross_trainer_cache else ""),
-            consumer_index=self._options.consumer_index)
+            consumer_index=self._options.consumer_index,
+            at_least_latest=catch_up and self._options.consumer_index is None)
+        with self._lock:
+            self._next_repetition = max(self._next_repetition, reader.repetition + 1)
+            self._last_pass_created = reader.created_iteration or not named
+        empty = True
         try:
-            yield from reader
+            for element in reader:
+                empty = False
+                yield element
         finally:
             reader.close()
+            if empty and not self._last_pass_created:
+                with self._lock:
+                    self._catch_up = True
+
+
+    def empty_pass_ends(self) -> bool:
+        """Whether the last pass, if it was empty, means the dataset is empty: not when it
+        joined a shared iteration that other readers had consumed."""
+        with self._lock:
+            return self._last_pass_created
 
 
 def from_dataset_id(processing_mode: Any, service: Any, dataset_id: str,

@@ -13,7 +13,7 @@ coordinated iteration once it has some, so every consumer sees the same set). A 
 leaves the set at the same round for every consumer (its worker answers end_of_sequence for
 that round to all of them), and the iteration ends when no task is left. A task whose worker
 was lost leaves at a round the dispatcher picks once every consumer is stopped on lost tasks
-(dispatcher/service.py `_note_blocked`); rounds before it that fall on the lost task are
+(dispatcher/coordinated.py `note_blocked`); rounds before it that fall on the lost task are
 skipped.
 
 target_workers: "LOCAL" reads only workers on this host; "AUTO" means LOCAL under static
@@ -117,11 +117,15 @@ class _SplitReceived:
             self.extra = None
 
 
-@dataclass
+@dataclass(eq=False)  # identity: held in a WeakSet
 class _Batch:
     payloads: deque = field(default_factory=deque)
     error: RemoteError | None = None
     borrow: bool = False  # payloads are ours alone: decode may build tensors over them
+    # Exactly-once DYNAMIC: the (split key, offset) of each payload not yet yielded, in order;
+    # an element is acknowledged to the dispatcher when the consumer takes it.
+    tags: deque = field(default_factory=deque)
+    task_id: int = 0
 
 
 # _fetch_round's answer when the task's worker was lost (coordinated reads).
@@ -154,6 +158,7 @@ class IterationReader:
         connect_timeout_s: float,
         trainer_id: str = "",
         consumer_index: int | None = None,
+        at_least_latest: bool = False,
     ) -> None:
         self._dispatcher = dispatcher_pb2_grpc.DispatcherServiceStub(
             channel_to(dispatcher_address))
@@ -187,14 +192,20 @@ class IterationReader:
                 deadline_s=connect_timeout_s)
             iteration = retry(
                 lambda: self._dispatcher.GetOrCreateIteration(
-                    dispatcher_pb2.GetOrCreateIterationRequest(job_id=job.job_id,
-                                                               repetition=repetition),
+                    dispatcher_pb2.GetOrCreateIterationRequest(
+                        job_id=job.job_id, repetition=repetition,
+                        at_least_latest=at_least_latest),
                     timeout=10),
                 description="creating an iteration", deadline_s=connect_timeout_s)
         except grpc.RpcError as error:  # a refusal (bad job config, unknown dataset): say why
             raise rpc_error_to_exception(error, "joining a job") from None
         self.iteration_id = iteration.iteration_id
         self.client_id = iteration.client_id
+        # The repetition joined (>= `repetition` with at_least_latest), and whether this reader
+        # created its iteration (an empty one then means an empty dataset, not one that other
+        # readers of the job consumed).
+        self.repetition = iteration.repetition if at_least_latest else repetition
+        self.created_iteration = iteration.created
         self._max_outstanding = max_outstanding_requests or DEFAULT_MAX_OUTSTANDING
         self._lock = threading.Condition()
         self._tasks: dict[int, _TaskState] = {}
@@ -208,7 +219,7 @@ class IterationReader:
         self._fatal: BaseException | None = None
         self._closed = threading.Event()
         self._data_ports = DataPortPool()
-        # Exactly-once DYNAMIC (dispatcher/service.py): the offsets received of every split
+        # Exactly-once DYNAMIC (dispatcher/splits.py): the offsets received of every split
         # (compacted, see _SplitReceived), to drop an element handed again, and those not yet
         # reported to the dispatcher.
         self._exactly_once = (job_config.sharding_policy == ShardingPolicy.DYNAMIC
@@ -216,6 +227,14 @@ class IterationReader:
         self._received_lock = threading.Lock()
         self._seen: dict[tuple[int, int], _SplitReceived] = {}
         self._unreported: dict[tuple[int, int], list[int]] = {}
+        # Elements the consumer took, not yet reported: (split key, offset), appended without
+        # a lock by __next__ and drained by the heartbeat. What was received and not taken is
+        # not acknowledged: if this reader dies, the dispatcher hands it to the job's others.
+        self._acked: deque[tuple[tuple[int, int], int]] = deque()
+        self._unacked_batches: weakref.WeakSet[_Batch] = weakref.WeakSet()
+        # Lost tasks (their worker was declared dead, but may be a zombie still serving):
+        # nothing from them is accepted any more, and every heartbeat says so.
+        self._fenced: set[int] = set()
         self._threads = [threading.Thread(target=self._heartbeat_loop, daemon=True,
                                           name=f"reader-heartbeat-{self.client_id}")]
         if self._consumer_index is not None:
@@ -241,10 +260,39 @@ class IterationReader:
         with self._heartbeat_lock:
             return self._beat()
 
-    def _beat(self) -> bool:
+    def _take_reports(self) -> dict[tuple[int, int], list[int]]:
+        """The acknowledgements to send now (call with `_received_lock` held)."""
+        unreported, self._unreported = self._unreported, {}
+        while True:
+            try:
+                key, offset = self._acked.popleft()
+            except IndexError:
+                return unreported
+            unreported.setdefault(key, []).append(offset)
+
+    def _fence(self, task_ids: Any) -> None:
+        """Accept nothing more from lost tasks; what this reader holds of them counts as
+        received now (it will yield it): it is in the next heartbeat, with the fence."""
         with self._received_lock:
-            unreported, self._unreported = self._unreported, {}
-        request = dispatcher_pb2.ClientHeartbeatRequest(client_id=self.client_id)
+            new = set(task_ids) - self._fenced
+            if not new:
+                return
+            self._fenced.update(new)
+            for batch in list(self._unacked_batches):
+                if batch.task_id in new:
+                    while True:
+                        try:
+                            key, offset = batch.tags.popleft()
+                        except IndexError:
+                            break
+                        self._unreported.setdefault(key, []).append(offset)
+
+    def _beat(self) -> bool:
+        with self._received_lock:  # what was taken from a task before it was fenced is in
+            unreported = self._take_reports()
+            fenced = sorted(self._fenced)
+        request = dispatcher_pb2.ClientHeartbeatRequest(client_id=self.client_id,
+                                                        fenced_tasks=fenced)
         if self._consumer_index is not None:
             request.consumer_index = self._consumer_index
             with self._lock:
@@ -267,6 +315,8 @@ class IterationReader:
                 self._fatal = rpc_error_to_exception(error, "client heartbeat")
                 self._lock.notify_all()
             return False
+        if response.lost_task_ids and self._exactly_once:
+            self._fence(response.lost_task_ids)
         if response.settled:
             with self._received_lock:
                 for settled in response.settled:
@@ -285,7 +335,9 @@ class IterationReader:
                 if info.task_id not in self._tasks:
                     self._tasks[info.task_id] = _TaskState(info)
             for task_id, state in list(self._tasks.items()):
-                if task_id not in listed and not state.in_use:
+                if task_id in self._fenced:
+                    state.ended = True  # a fetch in flight brings nothing (_keep_new)
+                elif task_id not in listed and not state.in_use:
                     # Finished or its worker is gone: nothing more will come from it.
                     state.ended = True
             self._task_order = task_groups(
@@ -425,7 +477,16 @@ class IterationReader:
                 self._fatal = RuntimeError(f"reading from worker {address}: {error}")
             return None
         state.failures = 0
-        batch = _Batch(deque(self._keep_new(header, payloads)), borrow=borrow)
+        kept, tags = self._keep_new(state.info.task_id, header, payloads)
+        batch = _Batch(deque(kept), borrow=borrow, tags=deque(tags),
+                       task_id=state.info.task_id)
+        if tags:
+            with self._received_lock:
+                if state.info.task_id in self._fenced:  # fenced while this fetch was out
+                    batch.payloads.clear()
+                    batch.tags.clear()
+                else:
+                    self._unacked_batches.add(batch)
         if header.has_error:
             batch.error = RemoteError(header.error.type, header.error.message,
                                       header.error.traceback)
@@ -444,14 +505,18 @@ class IterationReader:
             return ("tcp", host, info.data_port)
         return None
 
-    def _keep_new(self, header: worker_pb2.ElementBatchHeader,
-                  payloads: list) -> list:
+    def _keep_new(self, task_id: int, header: worker_pb2.ElementBatchHeader,
+                  payloads: list) -> tuple[list, list]:
         """Exactly-once DYNAMIC: drop elements already received (a split handed again after
-        its worker died) and remember the others for the next heartbeat."""
+        its worker died) or sent by a fenced task (a zombie worker); the others, and their
+        tags to acknowledge when the consumer takes them (None: an untracked element)."""
         if not self._exactly_once or not payloads:
-            return payloads
-        kept = []
+            return payloads, []
+        kept: list = []
+        tags: list = []
         with self._received_lock:
+            if task_id in self._fenced:
+                return [], []
             for info, payload in zip(header.elements, payloads, strict=False):
                 if info.has_split:
                     key = (info.split.repetition, info.split.index)
@@ -460,9 +525,11 @@ class IterationReader:
                         received = self._seen[key] = _SplitReceived()
                     if not received.add(info.offset):
                         continue
-                    self._unreported.setdefault(key, []).append(info.offset)
+                    tags.append((key, info.offset))
+                else:
+                    tags.append(None)
                 kept.append(payload)
-        return kept
+        return kept, tags
 
     def _coordinated_loop(self) -> None:
         """Coordinated reads: one fetch at a time, in round order (see the module docstring)."""
@@ -612,6 +679,8 @@ class IterationReader:
             if batch is not None:
                 if batch.payloads:
                     payload = batch.payloads.popleft()
+                    if batch.tags:
+                        self._acknowledge(batch)
                     if not batch.payloads and batch.error is None:
                         self._current = None
                         self._slots.release()
@@ -637,6 +706,15 @@ class IterationReader:
                     self.close()
                     raise StopIteration
 
+    def _acknowledge(self, batch: _Batch) -> None:
+        """The consumer took the batch's next element: acknowledge it (exactly-once)."""
+        try:
+            tag = batch.tags.popleft()
+        except IndexError:  # fenced meanwhile: acknowledged then
+            return
+        if tag is not None:
+            self._acked.append(tag)
+
     def close(self) -> None:
         """Release the iteration; this reader's threads end on their own within about a second
         (fetches are long polls), and at interpreter exit `_close_readers` waits for them."""
@@ -645,7 +723,7 @@ class IterationReader:
         self._closed.set()
         self._data_ports.close()
         with self._received_lock:
-            unreported, self._unreported = self._unreported, {}
+            unreported = self._take_reports()
         request = dispatcher_pb2.ReleaseIterationClientRequest(client_id=self.client_id)
         for (repetition, index), offsets in unreported.items():
             request.received.add(split=common_pb2.SplitKey(repetition=repetition, index=index),

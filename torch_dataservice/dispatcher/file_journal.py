@@ -18,10 +18,13 @@ fsync the directory), starts `log_<g+1>` and only then deletes the older files; 
 any point leaves either the old files or the new snapshot complete.
 
 Record framing: 4-byte little-endian payload length, 4-byte CRC32 of the payload, payload (a
-serialized `Update`, in snapshot files too). A short or mismatching record ends that file:
-replay logs a warning and goes on with the next file. Only a record being written when the
-process died can be torn, and its RPC never replied, so dropping it loses nothing that anyone
-was told.
+serialized `Update`, in snapshot files too). Only a record being written when the process died
+can be torn, and its RPC never replied, so replay drops an incomplete last record of a file
+with a warning: that loses nothing anyone was told. A bad record with more bytes after it is
+corruption (appends only add whole records at the end): replay refuses it with
+`JournalCorruptError` naming the file and offset, or, with `recovery="truncate"`, stops there
+and reports what it discarded (`recovered_from`); the service then fails the iterations that
+were running and compacts, so the damaged files are gone.
 
 Durability is group commit: `append` writes the record (no fsync) under the dispatcher's
 lock, in the order updates are applied; `sync` (called by every RPC before it replies, with
@@ -39,9 +42,12 @@ import struct
 import threading
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torch_dataservice.dispatcher.snapshot import snapshot_update
+from torch_dataservice.errors import JournalCorruptError
 from torch_dataservice.proto import dispatcher_pb2
 
 logger = logging.getLogger(__name__)
@@ -57,28 +63,64 @@ def encode_record(payload: bytes) -> bytes:
     return HEADER.pack(len(payload), zlib.crc32(payload)) + payload
 
 
-def read_records(path: Path) -> Iterator[bytes]:
-    """Payloads of the intact records of `path`; stops (with a warning) at the first bad one."""
+@dataclass
+class Damage:
+    """Where a journal file stops being readable, and whether a crash explains it."""
+
+    path: Path
+    offset: int
+    reason: str
+    dropped_bytes: int  # from `offset` to the end of the file
+    torn: bool  # an incomplete last record (a crash mid-append), not corruption
+
+
+def scan_records(path: Path) -> tuple[list[bytes], Damage | None]:
+    """The payloads of the intact records of `path`, and where it stops being readable.
+
+    A torn tail is an incomplete last record: a header or payload cut short by the end of the
+    file, or a last record whose checksum fails. Any bad record with bytes after it is
+    corruption: appends only ever add whole records at the end.
+    """
     data = path.read_bytes()
+    records: list[bytes] = []
     position = 0
     while position < len(data):
-        if position + HEADER.size > len(data):
-            logger.warning("%s: torn record header at byte %d (%d bytes dropped)",
-                           path, position, len(data) - position)
-            return
+        left = len(data) - position
+        if left < HEADER.size:
+            return records, Damage(path, position, "torn record header", left, torn=True)
         length, crc = HEADER.unpack_from(data, position)
         start = position + HEADER.size
+        if start + length > len(data):
+            return records, Damage(path, position, f"torn record ({len(data) - start} of "
+                                   f"{length} bytes)", left, torn=True)
         payload = data[start:start + length]
-        if len(payload) < length:
-            logger.warning("%s: torn record at byte %d (%d of %d bytes; dropped)",
-                           path, position, len(payload), length)
-            return
         if zlib.crc32(payload) != crc:
-            logger.warning("%s: record at byte %d fails its checksum; it and the %d bytes "
-                           "after it are dropped", path, position, len(data) - start - length)
-            return
-        yield payload
+            last = start + length == len(data)
+            return records, Damage(path, position, "record fails its checksum", left,
+                                   torn=last)
+        records.append(payload)
         position = start + length
+    return records, None
+
+
+def read_records(path: Path) -> Iterator[bytes]:
+    """Payloads of the intact records of `path`; stops (with a warning) at the first bad one."""
+    records, damage = scan_records(path)
+    yield from records
+    if damage is not None:
+        logger.warning("%s: %s at byte %d (%d bytes dropped)", path, damage.reason,
+                       damage.offset, damage.dropped_bytes)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """os.write until all of `data` is written: a nearly full disk may take part of it and
+    return the count without an error (ENOSPC comes on the next call)."""
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        if written <= 0:
+            raise OSError(f"write stored nothing ({written})")
+        view = view[written:]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -93,9 +135,16 @@ class FileJournal:
     """The journal of one dispatcher incarnation in `work_dir` (see the module docstring)."""
 
     def __init__(self, work_dir: str | os.PathLike[str],
-                 compact_every: int = DEFAULT_COMPACT_EVERY) -> None:
+                 compact_every: int = DEFAULT_COMPACT_EVERY, recovery: str = "fail") -> None:
         if compact_every < 1:
             raise ValueError(f"compact_every must be >= 1, got {compact_every!r}")
+        if recovery not in ("fail", "truncate"):
+            raise ValueError(f"recovery must be 'fail' or 'truncate', got {recovery!r}")
+        self._recovery = recovery
+        # Set by replay: the record being replayed (for errors), and the damage a
+        # `recovery="truncate"` replay cut the journal at.
+        self.replay_position = ""
+        self.recovered_from: str | None = None
         self._dir = Path(work_dir) / JOURNAL_DIR
         self._dir.mkdir(parents=True, exist_ok=True)
         self._compact_every = compact_every
@@ -108,6 +157,7 @@ class FileJournal:
         self._generation = max(generations, default=-1) + 1
         self._fd = self._open_log(self._generation)  # fail fast if the dir is not writable
         self._records = 0
+        self._broken: str | None = None  # why appends are refused (a torn record remains)
         self._written = 0  # bytes appended to the current log
         self._synced = 0  # bytes of it known to be on disk
 
@@ -146,20 +196,71 @@ class FileJournal:
             if snapshot.WhichOneof("kind") != "snapshot":
                 raise RuntimeError(f"journal snapshot {self._path('snapshot', start)} holds a "
                                    f"{snapshot.WhichOneof('kind')!r} update, not a snapshot")
+            self.replay_position = f"the snapshot {self._path('snapshot', start)}"
             yield snapshot
         logs = sorted(g for kind, g in self._previous if kind == "log" and g >= start)
-        for generation in logs:
-            for payload in read_records(self._path("log", generation)):
+        for i, generation in enumerate(logs):
+            path = self._path("log", generation)
+            records, damage = scan_records(path)
+            for number, payload in enumerate(records):
+                self.replay_position = f"record {number} of {path}"
                 yield Update.FromString(payload)
+            if damage is None:
+                continue
+            later = [self._path("log", g) for g in logs[i + 1:]
+                     if self._path("log", g).stat().st_size]  # not the empty ones of refused starts
+            if damage.torn:
+                logger.warning("%s: %s at byte %d, from a crash mid-append: dropped (it was "
+                               "never acknowledged)", path, damage.reason, damage.offset)
+                continue
+            self._on_corruption(damage, later)
+            return
+
+    def _on_corruption(self, damage: Damage, later: list[Path]) -> None:
+        """Refuse a journal damaged in the middle, or (recovery="truncate") cut it there."""
+        lost = sum(len(scan_records(p)[0]) for p in later)
+        where = (f"journal file {damage.path} is damaged at byte {damage.offset} "
+                 f"({damage.reason}, {damage.dropped_bytes - HEADER.size} bytes follow it"
+                 + (f", and {len(later)} later log file(s) hold {lost} record(s)" if later
+                    else "") + ")")
+        if self._recovery != "truncate":
+            raise JournalCorruptError(
+                f"{where}: this is not a torn tail from a crash, and replaying around it would "
+                "roll the dispatcher back and hand out data again. Restore the work dir from "
+                "a backup, or start with --journal-recovery truncate (DispatcherConfig("
+                "journal_recovery='truncate')) to drop the damaged record and everything "
+                "after it")
+        self.recovered_from = where
+        logger.warning("%s: journal recovery 'truncate' discards the damaged record, the rest "
+                       "of that file and %d committed record(s) of later files; iterations "
+                       "that were running fail for their readers", where, lost)
 
     # ------------------------------------------------------------------ writing
     def append(self, update: Update) -> None:
         """Write `update` at the end of the log; durable after the next `sync()`."""
         record = encode_record(update.SerializeToString())
         with self._lock:
-            os.write(self._fd, record)
+            if self._broken is not None:
+                raise OSError(f"the journal cannot be appended to since {self._broken}; "
+                              "restart the dispatcher once the disk has room")
+            try:
+                _write_all(self._fd, record)
+            except OSError as error:
+                self._undo_partial_append(error)
+                raise
             self._written += len(record)
             self._records += 1
+
+    def _undo_partial_append(self, error: OSError) -> None:
+        """Cut a partly written record off the log (a full disk), so the log ends with whole
+        records; if even that fails, refuse every later append: the update is not durable and
+        nothing may be appended after a torn record."""
+        logger.error("journal %s: append failed (%s); the update is not applied",
+                     self._path("log", self._generation), error)
+        try:
+            os.ftruncate(self._fd, self._written)
+        except OSError as truncate_error:
+            self._broken = f"a failed append left a torn record ({truncate_error})"
 
     def sync(self) -> None:
         """Return once everything appended before this call is on disk (group commit)."""
@@ -190,7 +291,7 @@ class FileJournal:
         return True
 
     def compact(self, state: Any) -> None:
-        snapshot = state.snapshot().SerializeToString()
+        snapshot = snapshot_update(state).SerializeToString()
         with self._sync_lock, self._lock:
             generation = self._generation + 1
             final = self._path("snapshot", generation)

@@ -17,11 +17,17 @@ from torch_dataservice.proto import dispatcher_pb2
 
 
 class Journal(Protocol):
+    # The record `replay` is at (for errors), and the damage a recovering replay cut at.
+    replay_position: str
+    recovered_from: str | None
+
     def append(self, update: dispatcher_pb2.Update) -> None: ...
 
     def sync(self) -> None: ...
 
     def maybe_compact(self, state: Any) -> bool: ...
+
+    def compact(self, state: Any) -> None: ...
 
     def replay(self) -> Iterator[dispatcher_pb2.Update]: ...
 
@@ -31,6 +37,9 @@ class Journal(Protocol):
 class NullJournal:
     """Keeps nothing: a restarted dispatcher starts empty."""
 
+    replay_position = ""
+    recovered_from: str | None = None
+
     def append(self, update: dispatcher_pb2.Update) -> None:
         pass
 
@@ -39,6 +48,9 @@ class NullJournal:
 
     def maybe_compact(self, state: Any) -> bool:
         return False
+
+    def compact(self, state: Any) -> None:
+        pass
 
     def replay(self) -> Iterator[dispatcher_pb2.Update]:
         return iter(())

@@ -19,7 +19,7 @@ def _open_journal(config: DispatcherConfig) -> Journal:
         return NullJournal()
     from torch_dataservice.dispatcher.file_journal import FileJournal
 
-    return FileJournal(config.work_dir)  # type: ignore[arg-type]
+    return FileJournal(config.work_dir, recovery=config.journal_recovery)  # type: ignore[arg-type]
 
 
 class DispatchServer:

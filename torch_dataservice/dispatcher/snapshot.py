@@ -21,9 +21,11 @@ from torch_dataservice.dispatcher.state import (
     Task,
     Worker,
 )
-from torch_dataservice.proto import common_pb2, snapshot_pb2
+from torch_dataservice.errors import JournalCorruptError
+from torch_dataservice.proto import common_pb2, dispatcher_pb2, snapshot_pb2
 
 DispatcherSnapshot = snapshot_pb2.DispatcherSnapshot
+Update = dispatcher_pb2.Update
 _S = DispatcherSnapshot
 
 # Raise when a change would make an older reader misread a snapshot (and teach from_proto to
@@ -48,7 +50,7 @@ COVERED: dict[type, tuple[str, ...]] = {
 }
 
 
-class UnsupportedSnapshot(InvalidTransition):
+class UnsupportedSnapshot(InvalidTransition, JournalCorruptError):
     """A snapshot this version cannot read: newer schema, or not a DispatcherSnapshot at all."""
 
 
@@ -184,3 +186,17 @@ def from_bytes(data: bytes) -> DispatcherState:
     except DecodeError as e:
         raise UnsupportedSnapshot(f"dispatcher snapshot does not parse: {e}") from None
     return from_proto(msg)
+
+
+def snapshot_update(state: DispatcherState) -> Update:
+    """An update that, applied (with `apply`) to any state, makes it equal to `state`
+    (compaction). It holds a serialized `DispatcherSnapshot`, not a pickle."""
+    return Update(snapshot=dispatcher_pb2.StateSnapshot(state=to_bytes(state)))
+
+
+def apply(state: DispatcherState, update: Update) -> None:
+    """`state.apply(update)`, where a snapshot record replaces the whole state (replay)."""
+    if update.WhichOneof("kind") == "snapshot":
+        state.replace_with(from_bytes(update.snapshot.state))
+    else:
+        state.apply(update)

@@ -276,21 +276,17 @@ class DispatcherState:
             self.tasks[task_id].splits.discard(key)
 
     def _apply_snapshot(self, u: dispatcher_pb2.StateSnapshot) -> None:
-        # Imported here: snapshot.py builds on this module's dataclasses.
-        from torch_dataservice.dispatcher import snapshot as codec
+        raise InvalidTransition("a snapshot record replaces the state: apply it with "
+                                "dispatcher/snapshot.py apply()")
 
-        restored = codec.from_bytes(u.state)
+    def replace_with(self, other: DispatcherState) -> None:
+        """Become `other` (a snapshot record restores the whole state in place)."""
         self.__dict__.clear()
-        self.__dict__.update(restored.__dict__)
+        self.__dict__.update(other.__dict__)
 
-    def snapshot(self) -> Update:
-        """An update that, applied to any state, makes it equal to this one (compaction).
-
-        `state` holds a serialized `DispatcherSnapshot` (dispatcher/snapshot.py), not a pickle.
-        """
-        from torch_dataservice.dispatcher import snapshot as codec
-
-        return Update(snapshot=dispatcher_pb2.StateSnapshot(state=codec.to_bytes(self)))
+    def _apply_skip_ids(self, u: dispatcher_pb2.SkipIds) -> None:
+        for kind in self.next_ids:
+            self.next_ids[kind] += u.count
 
     def _apply_acquire_client(self, u: dispatcher_pb2.AcquireClient) -> None:
         self.clients[u.client_id] = u.iteration_id
@@ -340,6 +336,17 @@ class DispatcherState:
     # ------------------------------------------------------------------ queries
     def peek_id(self, kind: str) -> int:
         return self.next_ids[kind]
+
+    def latest_repetition(self, job_id: int) -> int:
+        """The highest repetition of `job_id` that has (or had) an iteration, 0 if none."""
+        return max((r for j, r in self.iteration_by_key if j == job_id), default=0)
+
+    def free_dataset_id(self) -> str:
+        """The next dataset id no dataset has (a user may have chosen ids explicitly)."""
+        dataset_id = self.peek_id("dataset")
+        while str(dataset_id) in self.datasets:
+            dataset_id += 1
+        return str(dataset_id)
 
     def dataset(self, dataset_id: str) -> Dataset:
         try:

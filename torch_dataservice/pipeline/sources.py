@@ -307,5 +307,11 @@ class IterableSource(Source):
             return iter(self.factory)
         return iter(self.factory())
 
+    def empty_pass_ends(self) -> bool:
+        """A factory may say that its last pass was empty only because others consumed it
+        (a shared job read through the service): then a `repeat()` goes on."""
+        ends = getattr(self.factory, "empty_pass_ends", None)
+        return ends() if callable(ends) else True
+
     def describe(self) -> str:
         return f"from_iterable({callable_name(self.factory)})"

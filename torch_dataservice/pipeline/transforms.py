@@ -406,13 +406,19 @@ class Interleave(Transform):
         )
 
 
+def _empty_pass_ends(source: Any) -> bool:
+    ends = getattr(source, "empty_pass_ends", None)
+    return ends() if callable(ends) else True
+
+
 @dataclass(frozen=True, eq=False, repr=False)
 class Repeat(Transform):
     """Re-runs the upstream chain `count` times (None or -1: forever).
 
     Locally a pass that produced nothing ends the repeat, so an empty dataset cannot spin. Under a
     split provider an empty pass is normal (other workers may have taken every split of that
-    repetition), so it only ends the repeat when the source has no splits at all.
+    repetition), so it only ends the repeat when the source has no splits at all; over a shared
+    service job too, when the job's other readers consumed that pass (`empty_pass_ends`).
     """
 
     count: int | None = None
@@ -435,7 +441,7 @@ class Repeat(Transform):
                     yield element
             finally:
                 close_iterator(iterator)
-            if not produced and stop_on_empty:
+            if not produced and stop_on_empty and _empty_pass_ends(source):
                 return
 
     def describe(self) -> str:

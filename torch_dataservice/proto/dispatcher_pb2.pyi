@@ -46,23 +46,29 @@ class GetOrCreateJobResponse(_message.Message):
     def __init__(self, job_id: _Optional[int] = ...) -> None: ...
 
 class GetOrCreateIterationRequest(_message.Message):
-    __slots__ = ("job_id", "repetition")
+    __slots__ = ("job_id", "repetition", "at_least_latest")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPETITION_FIELD_NUMBER: _ClassVar[int]
+    AT_LEAST_LATEST_FIELD_NUMBER: _ClassVar[int]
     job_id: int
     repetition: int
-    def __init__(self, job_id: _Optional[int] = ..., repetition: _Optional[int] = ...) -> None: ...
+    at_least_latest: bool
+    def __init__(self, job_id: _Optional[int] = ..., repetition: _Optional[int] = ..., at_least_latest: _Optional[bool] = ...) -> None: ...
 
 class GetOrCreateIterationResponse(_message.Message):
-    __slots__ = ("iteration_id", "client_id")
+    __slots__ = ("iteration_id", "client_id", "repetition", "created")
     ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
     iteration_id: int
     client_id: int
-    def __init__(self, iteration_id: _Optional[int] = ..., client_id: _Optional[int] = ...) -> None: ...
+    repetition: int
+    created: bool
+    def __init__(self, iteration_id: _Optional[int] = ..., client_id: _Optional[int] = ..., repetition: _Optional[int] = ..., created: _Optional[bool] = ...) -> None: ...
 
 class ClientHeartbeatRequest(_message.Message):
-    __slots__ = ("client_id", "current_round", "received", "blocked_round", "consumer_index", "removals_seen", "consumer_done")
+    __slots__ = ("client_id", "current_round", "received", "blocked_round", "consumer_index", "removals_seen", "consumer_done", "fenced_tasks")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +76,7 @@ class ClientHeartbeatRequest(_message.Message):
     CONSUMER_INDEX_FIELD_NUMBER: _ClassVar[int]
     REMOVALS_SEEN_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_DONE_FIELD_NUMBER: _ClassVar[int]
+    FENCED_TASKS_FIELD_NUMBER: _ClassVar[int]
     client_id: int
     current_round: int
     received: _containers.RepeatedCompositeFieldContainer[ReceivedSplit]
@@ -77,7 +84,8 @@ class ClientHeartbeatRequest(_message.Message):
     consumer_index: int
     removals_seen: int
     consumer_done: bool
-    def __init__(self, client_id: _Optional[int] = ..., current_round: _Optional[int] = ..., received: _Optional[_Iterable[_Union[ReceivedSplit, _Mapping]]] = ..., blocked_round: _Optional[int] = ..., consumer_index: _Optional[int] = ..., removals_seen: _Optional[int] = ..., consumer_done: _Optional[bool] = ...) -> None: ...
+    fenced_tasks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, client_id: _Optional[int] = ..., current_round: _Optional[int] = ..., received: _Optional[_Iterable[_Union[ReceivedSplit, _Mapping]]] = ..., blocked_round: _Optional[int] = ..., consumer_index: _Optional[int] = ..., removals_seen: _Optional[int] = ..., consumer_done: _Optional[bool] = ..., fenced_tasks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReceivedSplit(_message.Message):
     __slots__ = ("task_id", "split", "offsets")
@@ -90,18 +98,20 @@ class ReceivedSplit(_message.Message):
     def __init__(self, task_id: _Optional[int] = ..., split: _Optional[_Union[_common_pb2.SplitKey, _Mapping]] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ClientHeartbeatResponse(_message.Message):
-    __slots__ = ("tasks", "iteration_finished", "error", "settled", "removals")
+    __slots__ = ("tasks", "iteration_finished", "error", "settled", "removals", "lost_task_ids")
     TASKS_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FINISHED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SETTLED_FIELD_NUMBER: _ClassVar[int]
     REMOVALS_FIELD_NUMBER: _ClassVar[int]
+    LOST_TASK_IDS_FIELD_NUMBER: _ClassVar[int]
     tasks: _containers.RepeatedCompositeFieldContainer[_common_pb2.TaskInfo]
     iteration_finished: bool
     error: str
     settled: _containers.RepeatedCompositeFieldContainer[SettledSplit]
     removals: _containers.RepeatedCompositeFieldContainer[_common_pb2.RemovedTasks]
-    def __init__(self, tasks: _Optional[_Iterable[_Union[_common_pb2.TaskInfo, _Mapping]]] = ..., iteration_finished: _Optional[bool] = ..., error: _Optional[str] = ..., settled: _Optional[_Iterable[_Union[SettledSplit, _Mapping]]] = ..., removals: _Optional[_Iterable[_Union[_common_pb2.RemovedTasks, _Mapping]]] = ...) -> None: ...
+    lost_task_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tasks: _Optional[_Iterable[_Union[_common_pb2.TaskInfo, _Mapping]]] = ..., iteration_finished: _Optional[bool] = ..., error: _Optional[str] = ..., settled: _Optional[_Iterable[_Union[SettledSplit, _Mapping]]] = ..., removals: _Optional[_Iterable[_Union[_common_pb2.RemovedTasks, _Mapping]]] = ..., lost_task_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SettledSplit(_message.Message):
     __slots__ = ("split", "num_elements")
@@ -206,7 +216,7 @@ class GetSplitResponse(_message.Message):
     def __init__(self, split_index: _Optional[int] = ..., end_of_splits: _Optional[bool] = ..., skip: _Optional[int] = ..., skip_offsets: _Optional[_Iterable[int]] = ..., repetition: _Optional[int] = ..., following: _Optional[_Iterable[_Union[GetSplitResponse, _Mapping]]] = ...) -> None: ...
 
 class Update(_message.Message):
-    __slots__ = ("register_dataset", "register_worker", "create_job", "create_iteration", "produce_split", "create_task", "finish_task", "acquire_client", "release_client", "garbage_collect_iteration", "remove_worker", "requeue_split", "snapshot", "record_delivered", "split_produced", "remove_round_tasks", "remove_dataset")
+    __slots__ = ("register_dataset", "register_worker", "create_job", "create_iteration", "produce_split", "create_task", "finish_task", "acquire_client", "release_client", "garbage_collect_iteration", "remove_worker", "requeue_split", "snapshot", "record_delivered", "split_produced", "remove_round_tasks", "remove_dataset", "skip_ids")
     REGISTER_DATASET_FIELD_NUMBER: _ClassVar[int]
     REGISTER_WORKER_FIELD_NUMBER: _ClassVar[int]
     CREATE_JOB_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +234,7 @@ class Update(_message.Message):
     SPLIT_PRODUCED_FIELD_NUMBER: _ClassVar[int]
     REMOVE_ROUND_TASKS_FIELD_NUMBER: _ClassVar[int]
     REMOVE_DATASET_FIELD_NUMBER: _ClassVar[int]
+    SKIP_IDS_FIELD_NUMBER: _ClassVar[int]
     register_dataset: RegisterDataset
     register_worker: RegisterWorker
     create_job: CreateJob
@@ -241,7 +252,14 @@ class Update(_message.Message):
     split_produced: SplitProduced
     remove_round_tasks: RemoveRoundTasks
     remove_dataset: RemoveDataset
-    def __init__(self, register_dataset: _Optional[_Union[RegisterDataset, _Mapping]] = ..., register_worker: _Optional[_Union[RegisterWorker, _Mapping]] = ..., create_job: _Optional[_Union[CreateJob, _Mapping]] = ..., create_iteration: _Optional[_Union[CreateIteration, _Mapping]] = ..., produce_split: _Optional[_Union[ProduceSplit, _Mapping]] = ..., create_task: _Optional[_Union[CreateTask, _Mapping]] = ..., finish_task: _Optional[_Union[FinishTask, _Mapping]] = ..., acquire_client: _Optional[_Union[AcquireClient, _Mapping]] = ..., release_client: _Optional[_Union[ReleaseClient, _Mapping]] = ..., garbage_collect_iteration: _Optional[_Union[GarbageCollectIteration, _Mapping]] = ..., remove_worker: _Optional[_Union[RemoveWorker, _Mapping]] = ..., requeue_split: _Optional[_Union[RequeueSplit, _Mapping]] = ..., snapshot: _Optional[_Union[StateSnapshot, _Mapping]] = ..., record_delivered: _Optional[_Union[RecordDelivered, _Mapping]] = ..., split_produced: _Optional[_Union[SplitProduced, _Mapping]] = ..., remove_round_tasks: _Optional[_Union[RemoveRoundTasks, _Mapping]] = ..., remove_dataset: _Optional[_Union[RemoveDataset, _Mapping]] = ...) -> None: ...
+    skip_ids: SkipIds
+    def __init__(self, register_dataset: _Optional[_Union[RegisterDataset, _Mapping]] = ..., register_worker: _Optional[_Union[RegisterWorker, _Mapping]] = ..., create_job: _Optional[_Union[CreateJob, _Mapping]] = ..., create_iteration: _Optional[_Union[CreateIteration, _Mapping]] = ..., produce_split: _Optional[_Union[ProduceSplit, _Mapping]] = ..., create_task: _Optional[_Union[CreateTask, _Mapping]] = ..., finish_task: _Optional[_Union[FinishTask, _Mapping]] = ..., acquire_client: _Optional[_Union[AcquireClient, _Mapping]] = ..., release_client: _Optional[_Union[ReleaseClient, _Mapping]] = ..., garbage_collect_iteration: _Optional[_Union[GarbageCollectIteration, _Mapping]] = ..., remove_worker: _Optional[_Union[RemoveWorker, _Mapping]] = ..., requeue_split: _Optional[_Union[RequeueSplit, _Mapping]] = ..., snapshot: _Optional[_Union[StateSnapshot, _Mapping]] = ..., record_delivered: _Optional[_Union[RecordDelivered, _Mapping]] = ..., split_produced: _Optional[_Union[SplitProduced, _Mapping]] = ..., remove_round_tasks: _Optional[_Union[RemoveRoundTasks, _Mapping]] = ..., remove_dataset: _Optional[_Union[RemoveDataset, _Mapping]] = ..., skip_ids: _Optional[_Union[SkipIds, _Mapping]] = ...) -> None: ...
+
+class SkipIds(_message.Message):
+    __slots__ = ("count",)
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    def __init__(self, count: _Optional[int] = ...) -> None: ...
 
 class RegisterDataset(_message.Message):
     __slots__ = ("dataset_id", "dataset")

@@ -91,7 +91,7 @@ class _Replica:
         self._stopped = False
         self._split_replies: dict[int, tuple[int | None, Any, int | None]] = {}
         self._request_ids = itertools.count()
-        # Exactly-once DYNAMIC (see dispatcher/service.py): the split being read, how many
+        # Exactly-once DYNAMIC (see dispatcher/splits.py): the split being read, how many
         # elements each split produced so far, and the offsets clients already received of a
         # split handed again after its worker died.
         self._holding: tuple[int, int] | None = None

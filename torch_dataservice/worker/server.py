@@ -183,7 +183,7 @@ class WorkerServer:
                          stop=self._stopped)
         if response.end_of_splits:
             return []
-        # A requeued split keeps its own (maybe older) repetition: see dispatcher/service.py.
+        # A requeued split keeps its own (maybe older) repetition: see dispatcher/splits.py.
         return [Split(r.split_index, tuple(r.skip_offsets),
                       r.repetition if r.HasField("repetition") else repetition)
                 for r in (response, *response.following)]

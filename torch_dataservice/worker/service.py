@@ -71,6 +71,11 @@ class WorkerService:
         except LookupError:
             context.abort(grpc.StatusCode.UNAVAILABLE,
                           f"task {request.task_id} is not known here yet")
+        except ValueError as error:  # a request that does not fit its task
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except grpc.RpcError as error:  # the task's dataset could not be fetched
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"task {request.task_id} cannot run here: {error.details()}")
         except Exception as error:
             logger.exception("GetElements failed")
             context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")

@@ -15,7 +15,7 @@ request numbers, so a request retried after a lost reply gets the same splits ba
 dispatcher remembers its last answer per replica id). Splits a replica finished are reported
 with the next request; a replica is told "no more splits" only after a request that carried
 every report so far came back with end of splits, so the end of a repetition is known to the
-dispatcher exactly as it was without the feed (see dispatcher/service.py, exactly-once).
+dispatcher exactly as it was without the feed (see dispatcher/splits.py, exactly-once).
 
 Splits in stock are held by the task on the dispatcher like any other: if the worker dies
 they are requeued, and a garbage-collected iteration hands them on. A task whose replicas stop

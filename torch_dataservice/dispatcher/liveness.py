@@ -1,0 +1,85 @@
+"""Liveness and garbage collection: who is gone and what is collected (pure decisions).
+
+Workers silent for worker_timeout_ms are removed (their splits requeued); clients silent for
+job_gc_timeout_ms are released; iterations without clients for job_gc_timeout_ms are
+collected; an ephemeral dataset nobody reads any more is removed.
+"""
+
+from __future__ import annotations
+
+from torch_dataservice.dispatcher import splits
+from torch_dataservice.dispatcher.soft import SoftState
+from torch_dataservice.dispatcher.state import DispatcherState, Iteration
+from torch_dataservice.proto import dispatcher_pb2
+
+Update = dispatcher_pb2.Update
+
+
+def silent_workers(state: DispatcherState, soft: SoftState, now: float,
+                   timeout_s: float) -> list[str]:
+    return [address for address, seen in soft.worker_seen.items()
+            if now - seen > timeout_s and address in state.workers]
+
+
+def silent_clients(state: DispatcherState, soft: SoftState, now: float,
+                   timeout_s: float) -> list[int]:
+    return [client_id for client_id, seen in soft.client_seen.items()
+            if now - seen > timeout_s and client_id in state.clients]
+
+
+def newly_silent_clients(state: DispatcherState, soft: SoftState, now: float,
+                         timeout_s: float) -> list[int]:
+    """Clients of exactly-once iterations silent for `timeout_s` (worker_timeout_ms): a
+    trainer that died. Not released (a paused trainer may come back), but what they did not
+    acknowledge is handed to the others (dispatcher/splits.py requeue_unacknowledged)."""
+    return [client_id for client_id, seen in soft.client_seen.items()
+            if now - seen > timeout_s and client_id not in soft.silent_clients
+            and client_id in state.clients
+            and splits.is_exactly_once(state, state.iteration_of_client(client_id))]
+
+
+def idle_iterations(state: DispatcherState, soft: SoftState, now: float,
+                    timeout_s: float) -> list[Iteration]:
+    """Iterations idle longer than `timeout_s`; forgets idle times that no longer apply."""
+    idle = []
+    for iteration_id, since in list(soft.iteration_idle_since.items()):
+        iteration = state.iterations.get(iteration_id)
+        if iteration is None or iteration.garbage_collected or iteration.client_ids:
+            del soft.iteration_idle_since[iteration_id]
+        elif now - since > timeout_s:
+            idle.append(iteration)
+    return idle
+
+
+def remove_worker(state: DispatcherState, address: str) -> list[Update]:
+    """A worker left: its unsettled DYNAMIC splits go back first (dispatcher/splits.py)."""
+    return [*splits.requeue(state.worker_tasks(address)),
+            Update(remove_worker=dispatcher_pb2.RemoveWorker(worker_address=address))]
+
+
+def collect(state: DispatcherState, iteration: Iteration) -> list[Update]:
+    """Garbage-collect an iteration. Its unsettled DYNAMIC splits are requeued first: the
+    split cursor and they pass to the iteration that replaces it (same job and repetition),
+    so a trainer resuming from a loader state continues where it stopped."""
+    unfinished = [t for t in state.iteration_tasks(iteration) if not t.finished]
+    return [*splits.requeue(unfinished),
+            Update(garbage_collect_iteration=dispatcher_pb2.GarbageCollectIteration(
+                iteration_id=iteration.iteration_id))]
+
+
+def unread_ephemeral(state: DispatcherState, soft: SoftState, dataset_id: str, now: float,
+                     gc_timeout_s: float) -> Update | None:
+    """Remove an ephemeral dataset (DatasetDef.ephemeral) that no iteration reads any more,
+    unless a registration was answered with it lately: its job is on the way."""
+    dataset = state.datasets.get(dataset_id)
+    if dataset is None or not dataset.definition.ephemeral:
+        return None
+    reused = soft.ephemeral_reused.get(dataset_id)
+    if reused is not None and now - reused < gc_timeout_s:
+        return None
+    if any(not other.garbage_collected
+           and state.job(other.job_id).config.dataset_id == dataset_id
+           for other in state.iterations.values()):
+        return None
+    soft.ephemeral_reused.pop(dataset_id, None)
+    return Update(remove_dataset=dispatcher_pb2.RemoveDataset(dataset_id=dataset_id))

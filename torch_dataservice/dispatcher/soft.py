@@ -1,0 +1,115 @@
+"""SoftState: everything the dispatcher keeps outside the journal, in one place.
+
+A restart forgets all of it and re-learns it (heartbeats, reports), so nothing here may decide
+what was promised to anyone. `restored` says what a fresh dispatcher assumes after replay:
+nothing is declared dead or collected because the dispatcher itself was down, and every
+requeued split waits for fresh client reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch_dataservice.dispatcher.state import DispatcherState, Iteration
+
+
+@dataclass
+class SoftState:
+    # Liveness: when each worker / client was last heard of, since when an iteration is idle.
+    worker_seen: dict[str, float] = field(default_factory=dict)
+    client_seen: dict[int, float] = field(default_factory=dict)
+    iteration_idle_since: dict[int, float] = field(default_factory=dict)
+    # Exactly-once DYNAMIC: client heartbeats are numbered; a requeued split is handed again
+    # only once every client of its iteration heartbeated after it was requeued (or a
+    # worker timeout passed: see dispatcher/splits.py).
+    heartbeats: int = 0
+    client_heartbeat: dict[int, int] = field(default_factory=dict)
+    requeued_at: dict[int, int] = field(default_factory=dict)
+    requeued_time: dict[int, float] = field(default_factory=dict)
+    # The lost tasks each client fenced (accepts nothing from any more): a zombie worker's
+    # splits are handed again only once every client fenced its tasks. Clients resend it.
+    client_fenced: dict[int, frozenset[int]] = field(default_factory=dict)
+    # Exactly-once DYNAMIC: clients silent for worker_timeout_ms (a trainer that died), and
+    # the iterations that had one: what they did not acknowledge goes to the other clients.
+    silent_clients: set[int] = field(default_factory=set)
+    iterations_with_silent_clients: set[int] = field(default_factory=set)
+    # Splits settled per iteration, (repetition, index, elements), for the heartbeat replies
+    # of its clients (they compact what they remember); `settled_base` is the position of the
+    # first one kept, `settled_sent` each client's position. Lost: clients miss compaction.
+    settled: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
+    settled_base: dict[int, int] = field(default_factory=dict)
+    settled_sent: dict[int, int] = field(default_factory=dict)
+    # Coordinated reads: per iteration, consumer index -> (round it is blocked at on a lost
+    # task, removals it knew then). Blocked consumers report in every heartbeat.
+    blocked: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
+    # Ephemeral datasets a registration was just answered with: kept for a job_gc_timeout_ms,
+    # so the registrant's job finds them.
+    ephemeral_reused: dict[str, float] = field(default_factory=dict)
+    # Clients whose iteration a journal recovery dropped.
+    dropped_clients: set[int] = field(default_factory=set)
+
+    @classmethod
+    def restored(cls, state: DispatcherState, now: float) -> SoftState:
+        requeued_at = {i: 0 for i, it in state.iterations.items() if it.requeued}
+        return cls(
+            worker_seen=dict.fromkeys(state.workers, now),
+            client_seen=dict.fromkeys(state.clients, now),
+            iteration_idle_since={i: now for i, it in state.iterations.items()
+                                  if not it.garbage_collected and not it.client_ids},
+            requeued_at=requeued_at,
+            requeued_time=dict.fromkeys(requeued_at, now),
+        )
+
+    # ------------------------------------------------------------------ bookkeeping
+    def note_heartbeat(self, client_id: int, now: float) -> None:
+        self.heartbeats += 1
+        self.client_heartbeat[client_id] = self.heartbeats
+        self.client_seen[client_id] = now
+
+    def note_requeue(self, iteration_id: int, now: float, *, keep: bool = False) -> None:
+        """Requeued splits of `iteration_id` wait for client reports from now on (`keep`:
+        unless they already wait, for an iteration that carried them over)."""
+        if keep and iteration_id in self.requeued_at:
+            return
+        self.requeued_at[iteration_id] = self.heartbeats
+        self.requeued_time[iteration_id] = now
+
+    def forget_client(self, client_id: int, iteration: Iteration, now: float) -> None:
+        """A client left `iteration` (already applied to the state)."""
+        self.client_seen.pop(client_id, None)
+        self.client_heartbeat.pop(client_id, None)
+        self.client_fenced.pop(client_id, None)
+        self.silent_clients.discard(client_id)
+        self.settled_sent.pop(client_id, None)
+        if not iteration.client_ids:
+            self.settled.pop(iteration.iteration_id, None)
+            self.settled_base.pop(iteration.iteration_id, None)
+            self.iteration_idle_since[iteration.iteration_id] = now
+
+    # ------------------------------------------------------------------ settled splits
+    def note_settled(self, iteration: Iteration, sizes: dict[tuple[int, int], int]) -> None:
+        """Log the splits among `sizes` (key -> elements) that the last update settled."""
+        if not iteration.client_ids:
+            return  # nobody to tell; a client that joins later starts at the log's end
+        log = self.settled.setdefault(iteration.iteration_id, [])
+        for key, size in sizes.items():
+            if key not in iteration.delivered:
+                log.append((*key, size))
+
+    def take_settled(self, iteration: Iteration,
+                     client_id: int) -> list[tuple[int, int, int]]:
+        """The settled splits `client_id` was not told of yet; forget what all were told."""
+        iteration_id = iteration.iteration_id
+        log = self.settled.get(iteration_id)
+        if not log:
+            return []
+        base = self.settled_base.get(iteration_id, 0)
+        start = self.settled_sent.get(client_id, base) - base
+        news = log[max(0, start):]
+        self.settled_sent[client_id] = base + len(log)
+        done = min((self.settled_sent.get(c, base) for c in iteration.client_ids),
+                   default=base) - base
+        if done > 0:
+            del log[:done]
+            self.settled_base[iteration_id] = base + done
+        return news

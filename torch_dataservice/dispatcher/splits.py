@@ -1,0 +1,197 @@
+"""DYNAMIC split hand-out and requeue: pure decisions over the state and the soft state.
+
+Visitation under DYNAMIC sharding: every element of an epoch is delivered exactly once, even
+when workers die, the dispatcher restarts or an idle iteration is collected and recreated,
+provided that
+  - the pipeline is deterministic per split (the same split yields the same elements in the
+    same order on any worker) and every output element comes from exactly one split through
+    a synchronous chain: map, filter, flat_map (and take/skip-free element-wise steps);
+    shuffle, batch, prefetch, parallel map and interleave read ahead or mix splits, so the
+    (split, offset) tag of an element is not exact there and the guarantee falls back to
+    tf.data service's at-most-once for the splits a dead worker held;
+  - every client of the iteration reports within worker_timeout_ms of a requeue (see below).
+A worker declared dead (silent for worker_timeout_ms, or re-registered with a new uid) may be
+a zombie (a long pause, a healed partition) that still serves what it buffered: its tasks are
+listed as lost to every client, which fences them (accepts nothing from them any more) and
+acknowledges it; the lost worker's splits are handed again only once every client fenced its
+tasks, so what a zombie delivers is either reported before the requeue is handed (and
+skipped) or dropped. A zombie that registers again is told to delete its lost tasks.
+How: workers tag each element with (split repetition, split index, offset in the split) and
+report each split's element count when they finish producing it; clients report the offsets
+they received in their heartbeats; a split is settled when all its offsets were received.
+When a worker leaves, each split it held and that is not settled goes back to its iteration
+(RequeueSplit) with the offsets already delivered; it is handed again, once every client of
+the iteration has heartbeated since (so their reports are in), to a live task, whose replica
+skips those offsets. Any task takes it, whatever repetition it asks for (under `repeat()` every
+live task may have moved past the split's repetition): the reply carries the split's own
+repetition and the replica tags the elements with it, so the split keeps its key. If no
+unfinished task of the iteration is left on a live worker (now, or when the last one
+finishes), one is created on every live worker.
+The wait for clients' reports and fences is bounded by worker_timeout_ms after the requeue
+(and a client silent that long is not waited for): after that the split is handed with the
+offsets known.
+Trade-off: an element a slow client received from the dead worker and had not reported yet is
+produced again; that client drops it (it remembers what it received), but in a job shared by
+several clients another one may receive it too. Waiting longer (up to job_gc_timeout_ms, when a
+silent client is released) would hold the whole epoch's end for a trainer that may be gone.
+GetSplit is idempotent per (task, replica, request id), so a reply lost to a dispatcher crash
+does not lose a split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch_dataservice.dispatcher.soft import SoftState
+from torch_dataservice.dispatcher.state import DispatcherState, Iteration, Task
+from torch_dataservice.errors import NotReadyError
+from torch_dataservice.policies import ShardingPolicy
+from torch_dataservice.proto import common_pb2, dispatcher_pb2
+
+Update = dispatcher_pb2.Update
+MAX_SPLITS_PER_REQUEST = 64  # GetSplit.max_splits is capped: one request holds the lock briefly
+
+
+def requeue_ready(state: DispatcherState, soft: SoftState, iteration: Iteration, now: float,
+                  worker_timeout_s: float) -> bool:
+    """Every client of `iteration` reported what it received since the last requeue and
+    fenced every lost task, or worker_timeout_ms passed since the requeue (see the module
+    docstring for the trade-off).
+
+    A client silent for longer than worker_timeout_ms is not waited for (it may be a trainer
+    that died, or one that never heartbeated): it cannot report anything new.
+    """
+    since = soft.requeued_at.get(iteration.iteration_id)
+    if since is None:
+        return True
+    if now - soft.requeued_time.get(iteration.iteration_id, now) > worker_timeout_s:
+        return True
+    lost = lost_tasks(state, iteration)
+    return all((soft.client_heartbeat.get(c, 0) > since
+                and lost <= soft.client_fenced.get(c, frozenset()))
+               or now - soft.client_seen.get(c, now) > worker_timeout_s
+               for c in iteration.client_ids)
+
+
+def lost_tasks(state: DispatcherState, iteration: Iteration) -> frozenset[int]:
+    return frozenset(t.task_id for t in state.iteration_tasks(iteration) if t.lost)
+
+
+def is_exactly_once(state: DispatcherState, iteration: Iteration) -> bool:
+    """DYNAMIC without coordinated reads: the splits' elements are tracked per offset."""
+    config = state.job(iteration.job_id).config
+    return (config.sharding_policy == ShardingPolicy.DYNAMIC
+            and not config.HasField("num_consumers"))
+
+
+def next_split(state: DispatcherState, soft: SoftState, iteration: Iteration, repetition: int,
+               task: Task, now: float,
+               worker_timeout_s: float) -> dispatcher_pb2.ProduceSplit | None:
+    """The next split for `task` in `repetition`: a requeued one first (oldest first, of any
+    repetition: see the module docstring), then the cursor. At the end of the splits: None,
+    or a record with split_index -1 when the cursor moves to `repetition`.
+
+    Raises NotReadyError (UNAVAILABLE: the worker retries) when only requeued splits are left
+    and clients have not yet reported what they received of them.
+    """
+    waiting = False
+    if iteration.requeued:
+        if requeue_ready(state, soft, iteration, now, worker_timeout_s):
+            split = min(iteration.requeued, key=lambda s: (s.repetition, s.index))
+            return dispatcher_pb2.ProduceSplit(
+                iteration_id=iteration.iteration_id, repetition=split.repetition,
+                split_index=split.index, task_id=task.task_id, requeued=True)
+        waiting = True
+    not_ready = NotReadyError(
+        f"iteration {iteration.iteration_id}: splits of a lost worker wait for clients to "
+        "report what they received; retry")
+    if repetition < iteration.cursor_repetition:
+        if waiting:
+            raise not_ready
+        return None
+    index = iteration.cursor_index if repetition == iteration.cursor_repetition else 0
+    if index >= num_splits(state, iteration):
+        if waiting:
+            raise not_ready
+        index = -1
+    return dispatcher_pb2.ProduceSplit(iteration_id=iteration.iteration_id,
+                                       repetition=repetition, task_id=task.task_id,
+                                       split_index=index)
+
+
+def num_splits(state: DispatcherState, iteration: Iteration) -> int:
+    job = state.job(iteration.job_id)
+    return state.dataset(job.config.dataset_id).definition.num_splits
+
+
+def split_response(iteration: Iteration,
+                   keys: tuple[tuple[int, int], ...]) -> dispatcher_pb2.GetSplitResponse:
+    """The answer for the splits handed out, the same for a retried GetSplit."""
+    granted = []
+    for repetition, index in keys:
+        if index < 0:
+            break
+        offsets = sorted(iteration.delivered.get((repetition, index), ()))
+        granted.append(dispatcher_pb2.GetSplitResponse(
+            split_index=index, skip=len(offsets), skip_offsets=offsets, repetition=repetition))
+    if not granted:
+        return dispatcher_pb2.GetSplitResponse(end_of_splits=True)
+    first, *following = granted
+    first.following.extend(following)
+    return first
+
+
+def produced(iteration: Iteration, task: Task,
+             finished_splits: Iterable[dispatcher_pb2.FinishedSplit]) -> list[Update]:
+    """Record the element counts a worker reports for splits it finished producing."""
+    return [Update(split_produced=dispatcher_pb2.SplitProduced(
+                iteration_id=iteration.iteration_id, task_id=task.task_id,
+                split=finished.split, num_elements=finished.elements))
+            for finished in finished_splits
+            if _key(finished.split) in iteration.delivered
+            and _key(finished.split) not in iteration.produced]
+
+
+def delivered(iteration: Iteration,
+              received: Iterable[dispatcher_pb2.ReceivedSplit]) -> Update | None:
+    """Record the offsets a client reports received, for splits that are still tracked."""
+    requeued = {(s.repetition, s.index) for s in iteration.requeued}
+    tracked = [r for r in received
+               if _key(r.split) in iteration.delivered or _key(r.split) in requeued]
+    if not tracked:
+        return None
+    return Update(record_delivered=dispatcher_pb2.RecordDelivered(
+        iteration_id=iteration.iteration_id, splits=tracked))
+
+
+def requeue(tasks: Iterable[Task]) -> list[Update]:
+    """Send the unsettled splits of `tasks` back to their iterations."""
+    return [Update(requeue_split=dispatcher_pb2.RequeueSplit(
+                iteration_id=task.iteration_id,
+                split=common_pb2.SplitKey(repetition=repetition, index=index)))
+            for task in tasks for repetition, index in sorted(task.splits)]
+
+
+def requeue_unacknowledged(state: DispatcherState, iteration: Iteration) -> list[Update]:
+    """Once every task of an iteration that lost a client finished: its splits not settled
+    hold elements sent to that client and never acknowledged; they go back (with the
+    offsets the others acknowledged) so the remaining clients get them."""
+    if iteration.garbage_collected or not iteration.delivered or not all(
+            t.finished for t in state.iteration_tasks(iteration)):
+        return []
+    return [Update(requeue_split=dispatcher_pb2.RequeueSplit(
+                iteration_id=iteration.iteration_id,
+                split=common_pb2.SplitKey(repetition=repetition, index=index)))
+            for repetition, index in sorted(iteration.delivered)]
+
+
+def needs_takers(state: DispatcherState, iteration: Iteration) -> bool:
+    """`iteration` has requeued splits and no unfinished task on a live worker to take them
+    (a finished task asks for no split): it needs a new task on every live worker."""
+    return bool(iteration.requeued) and not iteration.garbage_collected and not any(
+        not t.finished and t.worker_address in state.workers
+        for t in state.iteration_tasks(iteration))
+
+
+def _key(split: common_pb2.SplitKey) -> tuple[int, int]:
+    return split.repetition, split.index
