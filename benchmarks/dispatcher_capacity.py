@@ -11,7 +11,7 @@ intervals:
     is 10/s; 256-element splits of 8 processes at 10 ms are ~3/s), reporting the split it
     finished in the next request, as worker/split_feed.py does when its stock is one split;
   - a client joins the job's iteration (GetOrCreateIteration) and heartbeats every 100 ms
-    (client/reader.py HEARTBEAT_INTERVAL_S), reporting the offsets it received of the splits
+    (client/membership.py HEARTBEAT_INTERVAL_S), reporting the offsets it received of the splits
     handed out (exactly-once bookkeeping), as a reader of a DYNAMIC job does.
 All workers and clients share one DYNAMIC job (one iteration): N trainers reading one fleet.
 The population grows step by step (`--steps`, the same number of workers and of clients);
@@ -53,7 +53,7 @@ if ROOT not in sys.path:  # run as a script from a checkout without installing
     sys.path.insert(0, ROOT)
 
 WORKER_HEARTBEAT_S = 0.5  # WorkerConfig.effective_heartbeat_interval_ms default
-CLIENT_HEARTBEAT_S = 0.1  # client/reader.py HEARTBEAT_INTERVAL_S
+CLIENT_HEARTBEAT_S = 0.1  # client/membership.py HEARTBEAT_INTERVAL_S
 FEED_REPLICA = 1 << 20  # worker/split_feed.py: the replica id a task's split feed uses
 SPLIT_SIZE = 10
 PEERS_PER_CHANNEL = 10  # simulated peers sharing one HTTP/2 connection

@@ -124,3 +124,8 @@ class JournalCorruptError(RuntimeError):
     """The dispatcher's journal is damaged in the middle (not a torn tail from a crash):
     replaying past the damage would roll state back and hand out data twice. The message
     names the file and byte offset, and how to recover (`journal_recovery="truncate"`)."""
+
+
+class FailedPreconditionError(RuntimeError):
+    """A request that can never succeed in the server's current state (FAILED_PRECONDITION),
+    e.g. a reader whose iteration a journal recovery dropped."""

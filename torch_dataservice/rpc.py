@@ -13,7 +13,12 @@ from typing import Any, TypeVar
 import grpc
 
 from torch_dataservice import auth
-from torch_dataservice.errors import NotReadyError, ServiceUnavailableError, is_retryable
+from torch_dataservice.errors import (
+    FailedPreconditionError,
+    NotReadyError,
+    ServiceUnavailableError,
+    is_retryable,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -154,8 +159,8 @@ def servicer_method(method: Callable[..., Any]) -> Callable[..., Any]:
 
     Requests are checked first (`check_request`): a field out of range is INVALID_ARGUMENT
     and never reaches the state. NotReadyError -> UNAVAILABLE (retryable), ValueError ->
-    INVALID_ARGUMENT, KeyError/LookupError -> NOT_FOUND, anything else -> INTERNAL with its
-    type and message.
+    INVALID_ARGUMENT, KeyError/LookupError -> NOT_FOUND, FailedPreconditionError ->
+    FAILED_PRECONDITION, anything else -> INTERNAL with its type and message.
     """
 
     @functools.wraps(method)
@@ -169,6 +174,8 @@ def servicer_method(method: Callable[..., Any]) -> Callable[..., Any]:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except LookupError as error:
             context.abort(grpc.StatusCode.NOT_FOUND, str(error.args[0] if error.args else error))
+        except FailedPreconditionError as error:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         except Exception as error:  # surface to the caller, never kill the server
             logger.exception("%s failed", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from torch_dataservice.client.reader import task_groups
+from torch_dataservice.client.transports import task_groups
 from torch_dataservice.proto import common_pb2
 from torch_dataservice.wire import inprocess as local
 

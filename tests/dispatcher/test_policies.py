@@ -168,3 +168,51 @@ def test_a_lost_workers_splits_wait_until_every_client_fenced_its_tasks() -> Non
     assert list(reply.lost_task_ids) == [4000]
     new, delete = tasks.worker_task_changes(state, "w1:1", [4000, 4001], num_workers=0)
     assert delete == [4000]  # a zombie that is back drops the lost task
+
+
+def _coordinated_state(*more):
+    job = create_job(5000, "c")
+    job.create_job.config.num_consumers = 2
+    updates = one_iteration()
+    updates[3] = job
+    return build(*updates, acquire_client(3001, 2000), *more)
+
+
+def _round(consumer: int, current: int, ready: int | None = None):
+    request = dispatcher_pb2.ClientHeartbeatRequest(
+        client_id=3000 + consumer, consumer_index=consumer, current_round=current)
+    if ready is not None:
+        request.ready_round = ready
+    return request
+
+
+def test_a_joining_worker_gets_a_task_at_a_round_every_consumer_promised() -> None:
+    state = _coordinated_state(register_worker("w2:1"))
+    iteration, rounds, proposals = state.iteration(2000), {}, {}
+    assert coordinated.joining_workers(state, iteration) == ["w2:1"]
+    assert coordinated.plan_addition(state, rounds, proposals, iteration, _round(0, 10)) == []
+    proposed = proposals[2000].round
+    assert proposed == 10 + coordinated.ADD_MARGIN
+    # Consumer 1 is past the proposal without having promised: a later round is proposed.
+    assert coordinated.plan_addition(state, rounds, proposals, iteration,
+                                     _round(1, proposed + 3)) == []
+    later = proposals[2000].round
+    assert later == proposed + 3 + coordinated.ADD_MARGIN
+    assert coordinated.plan_addition(state, rounds, proposals, iteration,
+                                     _round(0, 11, ready=later)) == []
+    (update,) = coordinated.plan_addition(state, rounds, proposals, iteration,
+                                          _round(1, proposed + 3, ready=later))
+    assert (update.create_task.worker_address, update.create_task.starting_round) == (
+        "w2:1", later)
+    assert 2000 not in proposals
+
+
+def test_a_lost_task_waits_for_its_replacement_when_no_other_task_is_left() -> None:
+    state = _coordinated_state()
+    _apply(state, liveness.remove_worker(state, "w0:1"))
+    _apply(state, liveness.remove_worker(state, "w1:1"))  # every task lost
+    iteration, blocked = state.iteration(2000), {}
+    coordinated.note_blocked(state, blocked, iteration, _blocked(0, 4))
+    assert coordinated.note_blocked(state, blocked, iteration, _blocked(1, 5)) is None
+    state.apply(register_worker("w0:1", uid=8))  # restarted: it joins, then they leave
+    assert coordinated.joining_workers(state, iteration) == ["w0:1"]

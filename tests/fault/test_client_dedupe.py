@@ -14,7 +14,8 @@ from tests.fault.test_exactly_once import (
     start_epoch,
     task_of,
 )
-from torch_dataservice.client.reader import IterationReader, _SplitReceived
+from torch_dataservice.client.delivery import SplitReceived as _SplitReceived
+from torch_dataservice.client.reader import IterationReader
 from torch_dataservice.proto import dispatcher_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
@@ -59,6 +60,6 @@ def test_a_dynamic_epoch_leaves_one_int_per_split(shared_cluster) -> None:
         "AUTO").job_config(dataset_id, "")
     reader = IterationReader(shared_cluster.address, config, 0, None, 10)
     assert sorted(int(x) for x in reader) == list(range(5000))
-    seen = reader._seen  # noqa: SLF001
+    seen = reader._delivery.seen  # noqa: SLF001
     assert len(seen) == 100
     assert all(r.extra is None and r.below == 50 for r in seen.values())

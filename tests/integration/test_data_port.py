@@ -11,7 +11,7 @@ import torch
 import torch_dataservice as tds
 from torch_dataservice import auth
 from torch_dataservice.client import data_port as client
-from torch_dataservice.client.reader import IterationReader
+from torch_dataservice.client import transports
 from torch_dataservice.wire import frame
 
 SIZES = [20 * 2**20, 0, 1, (1 << 20) - 7, 1 << 20, 100_000, 16 * 2**20]
@@ -70,7 +70,7 @@ def test_workers_without_a_data_port_are_read_over_grpc(
         cluster_factory, force_grpc: None, paths: list[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
     cluster = cluster_factory(1)
-    monkeypatch.setattr(IterationReader, "_data_target", lambda self, info: None)
+    monkeypatch.setattr(transports, "data_target", lambda info, target_workers: None)
     read_all(cluster.target, "ANY")
     assert paths and set(paths) == {"grpc"}
 

@@ -20,10 +20,9 @@ import torch
 
 import torch_dataservice as tds
 from tests.conftest import wait_until
-from torch_dataservice.client import reader as reader_module
+from torch_dataservice.client import transports as reader_module
 from torch_dataservice.errors import RemoteError
 from torch_dataservice.wire import codec
-from torch_dataservice.wire import inprocess as local
 from torch_dataservice.worker import executor_process
 
 pytestmark = pytest.mark.timeout(90)
@@ -157,7 +156,7 @@ def test_any_reads_over_grpc_get_correct_values(
         return real(call)
 
     # Without a data port the network path is gRPC StreamElements.
-    monkeypatch.setattr(reader_module.IterationReader, "_data_target", lambda self, info: None)
+    monkeypatch.setattr(reader_module, "data_target", lambda info, target_workers: None)
     monkeypatch.setattr(reader_module.frame, "assemble_frame", recording)
     received = read(cluster.target, "grpc", "ANY", compression="AUTO")
     check_values(received)
@@ -187,18 +186,28 @@ def test_mixed_local_and_remote_fetches_of_one_task_are_exactly_once(
         cluster_factory, monkeypatch: pytest.MonkeyPatch,
         data_port_payloads: list[tuple[tuple, list[int]]]) -> None:
     cluster = cluster_factory(1, num_processes=0)
-    real_lookup = local.lookup
+    real_choose = reader_module.choose
     direct: list[int] = []
-    lookups = iter(range(10**9))
 
-    def alternating(address: str) -> Any:
-        # Every other fetch goes through the data port (encoded), the others in-process.
-        if next(lookups) % 2:
-            return None
-        direct.append(1)
-        return real_lookup(address)
+    class Alternating:
+        """Every other fetch of the task through the data port (encoded), the others
+        in-process: a reader's transport is chosen once per task, so this mixes them."""
 
-    monkeypatch.setattr(local, "lookup", alternating)
+        network = borrow = True
+
+        def __init__(self, info, target_workers, pool, shared) -> None:
+            self._local = real_choose(info, target_workers, pool, shared)
+            self._remote = real_choose(info, "ANY", pool, shared)
+            self._fetches = 0
+
+        def fetch(self, request):
+            self._fetches += 1
+            if self._fetches % 2:
+                return self._remote.fetch(request)
+            direct.append(1)
+            return self._local.fetch(request)
+
+    monkeypatch.setattr(reader_module, "choose", Alternating)
     n = 2000
     pipeline = tds.Pipeline.range(n).with_split_size(25).apply(tds.distribute(
         "distributed_epoch", cluster.target, max_outstanding_requests=2))

@@ -9,7 +9,7 @@ import pytest
 
 import torch_dataservice as tds
 from tests.conftest import Cluster
-from torch_dataservice.client import reader as reader_module
+from torch_dataservice.client import transports as reader_module
 from torch_dataservice.wire import inprocess as local
 
 

@@ -12,7 +12,7 @@ from torch_dataservice.dispatcher import liveness, snapshot
 from torch_dataservice.dispatcher.journal import Journal
 from torch_dataservice.dispatcher.soft import SoftState
 from torch_dataservice.dispatcher.state import DispatcherState, InvalidTransition
-from torch_dataservice.errors import JournalCorruptError
+from torch_dataservice.errors import FailedPreconditionError, JournalCorruptError
 from torch_dataservice.proto import dispatcher_pb2
 
 Update = dispatcher_pb2.Update
@@ -39,6 +39,14 @@ SKIPPED_IDS = 100_000
 def dropped_message(recovered_from: str) -> str:
     return (f"the dispatcher's journal was cut at damage ({recovered_from}); this reader's "
             "iteration cannot go on without reading data twice")
+
+
+def check_client(state: DispatcherState, soft: SoftState, recovered_from: str | None,
+                 client_id: int) -> None:
+    """A client whose iteration a journal recovery dropped (or forgot) is told why."""
+    if client_id in soft.dropped_clients or (
+            recovered_from is not None and client_id not in state.clients):
+        raise FailedPreconditionError(dropped_message(recovered_from or ""))
 
 
 def drop_running(state: DispatcherState, soft: SoftState, recovered_from: str) -> list[Update]:

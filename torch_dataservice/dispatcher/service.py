@@ -19,23 +19,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch_dataservice.config import DispatcherConfig
-from torch_dataservice.dispatcher import (
-    coordinated,
-    liveness,
-    recovery,
-    splits,
-    tasks,
-    validation,
-)
+from torch_dataservice.dispatcher import coordinated, liveness, recovery, splits, tasks, validation
 from torch_dataservice.dispatcher.journal import Journal
 from torch_dataservice.dispatcher.soft import SoftState
 from torch_dataservice.dispatcher.state import DispatcherState, Iteration, Task
 from torch_dataservice.dispatcher.task_push import Push, TaskPusher
 from torch_dataservice.errors import NotReadyError
-from torch_dataservice.proto import (
-    dispatcher_pb2,
-    dispatcher_pb2_grpc,
-)
+from torch_dataservice.proto import dispatcher_pb2, dispatcher_pb2_grpc
 from torch_dataservice.rpc import servicer_method
 
 logger = logging.getLogger(__name__)
@@ -178,18 +168,31 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
     @_durable
     def ClientHeartbeat(self, request, context):
         with self._lock:
-            if request.client_id in self._soft.dropped_clients or (
-                    self._journal.recovered_from is not None
-                    and request.client_id not in self._state.clients):
-                raise LookupError(recovery.dropped_message(self._journal.recovered_from or ""))
+            recovery.check_client(self._state, self._soft, self._journal.recovered_from,
+                                  request.client_id)
             iteration = self._state.iteration_of_client(request.client_id)
             self._record_delivered(iteration, request)
             self._soft.client_fenced[request.client_id] = frozenset(request.fenced_tasks)
+            added: list[Update] = []
             if coordinated.is_coordinated(self._state, iteration):
-                blocked = self._soft.blocked.setdefault(iteration.iteration_id, {})
-                self._apply(coordinated.note_blocked(self._state, blocked, iteration, request))
-            return tasks.client_reply(self._state, iteration,
-                                      self._soft.take_settled(iteration, request.client_id))
+                added = self._coordinate(iteration, request)
+            reply = tasks.client_reply(self._state, iteration,
+                                       self._soft.take_settled(iteration, request.client_id),
+                                       self._soft.proposals.get(iteration.iteration_id))
+            pushes = self._pushes(added)
+        self._pusher.push(pushes)
+        return reply
+
+    def _coordinate(self, iteration: Iteration, request: Any) -> list[Update]:
+        """Coordinated reads: joining workers' tasks (returned) and lost tasks' removal."""
+        iteration_id = iteration.iteration_id
+        added = coordinated.plan_addition(
+            self._state, self._soft.rounds.setdefault(iteration_id, {}), self._soft.proposals,
+            iteration, request)
+        self._apply(*added)
+        blocked = self._soft.blocked.setdefault(iteration_id, {})
+        self._apply(coordinated.note_blocked(self._state, blocked, iteration, request))
+        return added
 
     def _record_delivered(self, iteration: Iteration, request: Any) -> None:
         """Record the offsets a ClientHeartbeat or ReleaseIterationClient request received."""
@@ -364,8 +367,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                 logger.warning("client %d of iteration %d silent for %.1fs: what it did not "
                                "acknowledge goes to the other clients", client_id,
                                iteration.iteration_id, now - self._soft.client_seen[client_id])
-                self._soft.silent_clients.add(client_id)
-                self._soft.iterations_with_silent_clients.add(iteration.iteration_id)
+                self._soft.note_silent(client_id, iteration.iteration_id)
                 pushes += self._requeue_unacknowledged(iteration)
             for client_id in liveness.silent_clients(self._state, self._soft, now,
                                                      self._gc_timeout_s):
@@ -383,7 +385,8 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
 
     def _collect(self, iteration: Iteration, now: float) -> None:
         self._apply(*liveness.collect(self._state, iteration))
-        self._soft.blocked.pop(iteration.iteration_id, None)
+        for coordination in (self._soft.blocked, self._soft.rounds, self._soft.proposals):
+            coordination.pop(iteration.iteration_id, None)
         self._soft.iteration_idle_since.pop(iteration.iteration_id, None)
         dataset_id = self._state.job(iteration.job_id).config.dataset_id
         removal = liveness.unread_ephemeral(self._state, self._soft, dataset_id, now,

@@ -9,6 +9,7 @@ requeued split waits for fresh client reports.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch_dataservice.dispatcher.state import DispatcherState, Iteration
 
@@ -42,6 +43,10 @@ class SoftState:
     # Coordinated reads: per iteration, consumer index -> (round it is blocked at on a lost
     # task, removals it knew then). Blocked consumers report in every heartbeat.
     blocked: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
+    # ... each consumer's current round, and the round proposed for joining workers (see
+    # dispatcher/coordinated.py plan_addition).
+    rounds: dict[int, dict[int, int]] = field(default_factory=dict)
+    proposals: dict[int, Any] = field(default_factory=dict)
     # Ephemeral datasets a registration was just answered with: kept for a job_gc_timeout_ms,
     # so the registrant's job finds them.
     ephemeral_reused: dict[str, float] = field(default_factory=dict)
@@ -73,6 +78,10 @@ class SoftState:
             return
         self.requeued_at[iteration_id] = self.heartbeats
         self.requeued_time[iteration_id] = now
+
+    def note_silent(self, client_id: int, iteration_id: int) -> None:
+        self.silent_clients.add(client_id)
+        self.iterations_with_silent_clients.add(iteration_id)
 
     def forget_client(self, client_id: int, iteration: Iteration, now: float) -> None:
         """A client left `iteration` (already applied to the state)."""

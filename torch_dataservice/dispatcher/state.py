@@ -391,8 +391,12 @@ class DispatcherState:
         if not tasks or not all(task.finished for task in tasks):
             return False
         config = self.jobs[iteration.job_id].config
-        if config.sharding_policy == ShardingPolicy.DYNAMIC or config.HasField("num_consumers"):
-            return True  # lost splits were requeued; coordinated reads agree on removals
+        if config.HasField("num_consumers"):
+            # Consumers agree on removals; one whose every task was lost waits for a worker
+            # to join (a rolling restart of a one-worker job), as OFF does below.
+            return not all(t.lost for t in tasks)
+        if config.sharding_policy == ShardingPolicy.DYNAMIC:
+            return True  # lost splits were requeued
         # A task's work belongs to its worker's address: a static shard, or under OFF the whole
         # dataset. A task lost with its worker is done once a task at that address finished in
         # its place (a restarted worker starts the task over, as in tf.data service). Under

@@ -7,6 +7,7 @@ decision take consecutive ids from the state's counter, in the order they are re
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 from torch_dataservice.dispatcher import splits
 from torch_dataservice.dispatcher.coordinated import is_coordinated
@@ -86,13 +87,15 @@ def task_infos(state: DispatcherState, iteration: Iteration) -> Iterator[common_
 
 
 def client_reply(state: DispatcherState, iteration: Iteration,
-                 settled: Iterable[tuple[int, int, int]]
+                 settled: Iterable[tuple[int, int, int]], proposal: Any = None
                  ) -> dispatcher_pb2.ClientHeartbeatResponse:
     """What a heartbeating client of `iteration` learns: its tasks, whether the iteration
     finished, the lost tasks to fence and the splits settled (exactly-once DYNAMIC), the
-    removals of coordinated reads."""
+    removals and the proposed addition round (`proposal`) of coordinated reads."""
     reply = dispatcher_pb2.ClientHeartbeatResponse(
         iteration_finished=state.is_finished(iteration))
+    if proposal is not None:
+        reply.addition_round = proposal.round
     if splits.is_exactly_once(state, iteration):
         reply.lost_task_ids.extend(sorted(splits.lost_tasks(state, iteration)))
     for repetition, index, size in settled:

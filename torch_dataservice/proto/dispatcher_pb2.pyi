@@ -68,7 +68,7 @@ class GetOrCreateIterationResponse(_message.Message):
     def __init__(self, iteration_id: _Optional[int] = ..., client_id: _Optional[int] = ..., repetition: _Optional[int] = ..., created: _Optional[bool] = ...) -> None: ...
 
 class ClientHeartbeatRequest(_message.Message):
-    __slots__ = ("client_id", "current_round", "received", "blocked_round", "consumer_index", "removals_seen", "consumer_done", "fenced_tasks")
+    __slots__ = ("client_id", "current_round", "received", "blocked_round", "consumer_index", "removals_seen", "consumer_done", "fenced_tasks", "ready_round")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class ClientHeartbeatRequest(_message.Message):
     REMOVALS_SEEN_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_DONE_FIELD_NUMBER: _ClassVar[int]
     FENCED_TASKS_FIELD_NUMBER: _ClassVar[int]
+    READY_ROUND_FIELD_NUMBER: _ClassVar[int]
     client_id: int
     current_round: int
     received: _containers.RepeatedCompositeFieldContainer[ReceivedSplit]
@@ -85,7 +86,8 @@ class ClientHeartbeatRequest(_message.Message):
     removals_seen: int
     consumer_done: bool
     fenced_tasks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, client_id: _Optional[int] = ..., current_round: _Optional[int] = ..., received: _Optional[_Iterable[_Union[ReceivedSplit, _Mapping]]] = ..., blocked_round: _Optional[int] = ..., consumer_index: _Optional[int] = ..., removals_seen: _Optional[int] = ..., consumer_done: _Optional[bool] = ..., fenced_tasks: _Optional[_Iterable[int]] = ...) -> None: ...
+    ready_round: int
+    def __init__(self, client_id: _Optional[int] = ..., current_round: _Optional[int] = ..., received: _Optional[_Iterable[_Union[ReceivedSplit, _Mapping]]] = ..., blocked_round: _Optional[int] = ..., consumer_index: _Optional[int] = ..., removals_seen: _Optional[int] = ..., consumer_done: _Optional[bool] = ..., fenced_tasks: _Optional[_Iterable[int]] = ..., ready_round: _Optional[int] = ...) -> None: ...
 
 class ReceivedSplit(_message.Message):
     __slots__ = ("task_id", "split", "offsets")
@@ -98,20 +100,22 @@ class ReceivedSplit(_message.Message):
     def __init__(self, task_id: _Optional[int] = ..., split: _Optional[_Union[_common_pb2.SplitKey, _Mapping]] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ClientHeartbeatResponse(_message.Message):
-    __slots__ = ("tasks", "iteration_finished", "error", "settled", "removals", "lost_task_ids")
+    __slots__ = ("tasks", "iteration_finished", "error", "settled", "removals", "lost_task_ids", "addition_round")
     TASKS_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FINISHED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SETTLED_FIELD_NUMBER: _ClassVar[int]
     REMOVALS_FIELD_NUMBER: _ClassVar[int]
     LOST_TASK_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADDITION_ROUND_FIELD_NUMBER: _ClassVar[int]
     tasks: _containers.RepeatedCompositeFieldContainer[_common_pb2.TaskInfo]
     iteration_finished: bool
     error: str
     settled: _containers.RepeatedCompositeFieldContainer[SettledSplit]
     removals: _containers.RepeatedCompositeFieldContainer[_common_pb2.RemovedTasks]
     lost_task_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, tasks: _Optional[_Iterable[_Union[_common_pb2.TaskInfo, _Mapping]]] = ..., iteration_finished: _Optional[bool] = ..., error: _Optional[str] = ..., settled: _Optional[_Iterable[_Union[SettledSplit, _Mapping]]] = ..., removals: _Optional[_Iterable[_Union[_common_pb2.RemovedTasks, _Mapping]]] = ..., lost_task_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    addition_round: int
+    def __init__(self, tasks: _Optional[_Iterable[_Union[_common_pb2.TaskInfo, _Mapping]]] = ..., iteration_finished: _Optional[bool] = ..., error: _Optional[str] = ..., settled: _Optional[_Iterable[_Union[SettledSplit, _Mapping]]] = ..., removals: _Optional[_Iterable[_Union[_common_pb2.RemovedTasks, _Mapping]]] = ..., lost_task_ids: _Optional[_Iterable[int]] = ..., addition_round: _Optional[int] = ...) -> None: ...
 
 class SettledSplit(_message.Message):
     __slots__ = ("split", "num_elements")

@@ -1,0 +1,116 @@
+"""Coordinated reads take in workers that join mid-read (issue 9.5): a new worker, and every
+original worker restarted one after the other (a rolling restart), serve a running
+coordinated read, which keeps strict rounds throughout. Real CLI processes."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import torch_dataservice as tds
+from tests.conftest import ProcessCluster
+from tests.fault.test_coordinated_worker_loss import tag_with_pid
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def _read(target: str, consumer: int, got: list, errors: list, stop: threading.Event) -> None:
+    pipeline = tds.Pipeline.range(10**9).map(tag_with_pid).apply(tds.distribute(
+        "parallel_epochs", target, job_name="membership", consumer_index=consumer,
+        num_consumers=2))
+    try:
+        for element in pipeline:
+            got.append(element)
+            if stop.is_set():
+                return
+            time.sleep(0.004)  # a training step
+    except BaseException as error:  # noqa: BLE001 - reported by the test
+        errors.append(error)
+
+
+def _wait_for_new_pid(got: list[list], known: set[int], errors: list, what: str) -> int:
+    """Wait until both consumers received elements from an executor not in `known`."""
+    deadline = time.monotonic() + 60
+    marks = [len(g) for g in got]
+    while time.monotonic() < deadline and not errors:
+        fresh = [{pid for pid, _ in g[m:]} - known for g, m in zip(got, marks, strict=True)]
+        common = fresh[0] & fresh[1]
+        if common:
+            return common.pop()
+        time.sleep(0.05)
+    pytest.fail(f"{what}: no consumer read from it within 60s "
+                f"({[len(g) for g in got]} read; errors {errors})")
+
+
+def test_new_and_restarted_workers_join_a_running_coordinated_read(
+        process_cluster: ProcessCluster) -> None:
+    process_cluster.start_dispatcher("--worker-timeout-ms", "1000")
+    workers = [process_cluster.start_worker() for _ in range(2)]
+    got: list[list[tuple[int, int]]] = [[], []]
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    threads = [threading.Thread(target=_read, args=(process_cluster.target, i, got[i], errors,
+                                                    stop), daemon=True) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while min(len(g) for g in got) < 40 and not errors:
+            assert time.monotonic() < deadline, f"no progress: {[len(g) for g in got]}"
+            time.sleep(0.02)
+        original = {pid for pid, _ in got[0]}
+        assert len(original) == 2, f"rounds did not visit both workers: {original}"
+        known = set(original)
+        process_cluster.start_worker()  # a worker added to the running read
+        known.add(_wait_for_new_pid(got, known, errors, "the added worker"))
+        restarted = set()
+        for worker in workers:  # a rolling restart of every original worker
+            worker.kill()
+            worker.restart()
+            pid = _wait_for_new_pid(got, known, errors, "a restarted worker")
+            known.add(pid)
+            restarted.add(pid)
+        marks = [len(g) for g in got]
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+    assert not errors, f"a consumer failed: {errors[0]!r}"
+    for consumer in range(2):
+        tail = {pid for pid, _ in got[consumer][marks[consumer]:]}
+        assert not tail & original, "elements from a killed worker after the rolling restart"
+        assert restarted <= tail, f"consumer {consumer} does not read every restarted worker"
+    # Strict rounds throughout: each worker's elements 2k and 2k+1 form a round, element 2k
+    # to consumer 0 and 2k+1 to consumer 1.
+    assert all(x % 2 == 0 for _, x in got[0]) and all(x % 2 == 1 for _, x in got[1]), \
+        "a consumer got another consumer's element of a round"
+
+
+def test_the_only_worker_restarted_takes_its_own_place(process_cluster: ProcessCluster) -> None:
+    process_cluster.start_dispatcher("--worker-timeout-ms", "1000")
+    worker = process_cluster.start_worker()
+    got: list[list[tuple[int, int]]] = [[], []]
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    threads = [threading.Thread(target=_read, args=(process_cluster.target, i, got[i], errors,
+                                                    stop), daemon=True) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while min(len(g) for g in got) < 20 and not errors:
+            assert time.monotonic() < deadline, f"no progress: {[len(g) for g in got]}"
+            time.sleep(0.02)
+        original = {pid for pid, _ in got[0]}
+        worker.kill()
+        worker.restart()
+        _wait_for_new_pid(got, original, errors, "the restarted worker")
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+    assert not errors, f"a consumer failed: {errors[0]!r}"
+    assert all(x % 2 == 0 for _, x in got[0]) and all(x % 2 == 1 for _, x in got[1])

@@ -1,0 +1,72 @@
+"""A reader paused for longer than job_gc_timeout_ms (a debugger, a long checkpoint save;
+here SIGSTOP) (issue 12.5): under DYNAMIC it joins its job again when it resumes and the
+epoch is still exactly once; otherwise it fails with an error naming job_gc_timeout_ms, never
+with an internal "not known" error. CLI dispatcher and workers, a consumer subprocess."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, ProcessCluster
+from tests.fault.helpers import Consumer
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+
+N = 20_000
+PAUSE_S = 3.0  # > job_gc_timeout_ms (300) + the dispatcher's check interval (1 s)
+
+
+def test_a_paused_dynamic_reader_goes_on_exactly_once(process_cluster: ProcessCluster,
+                                                      tmp_path: Path) -> None:
+    dispatcher = process_cluster.start_dispatcher("--job-gc-timeout-ms", "300")
+    for _ in range(2):
+        process_cluster.start_worker()
+    consumer = Consumer(process_cluster, N, tmp_path / "out.txt", "paused", max_rate=4000)
+    assert consumer.wait_received(N // 5, 60), consumer.output()
+    consumer.proc.send_signal(signal.SIGSTOP)
+    time.sleep(PAUSE_S)
+    consumer.proc.send_signal(signal.SIGCONT)
+    result = consumer.wait(90)
+    assert result.done and result.missing == 0 and result.duplicated == 0, (
+        f"{result}\n{consumer.output()}\n{dispatcher.output[-2000:]}")
+    assert "released" in dispatcher.output  # the pause really outlived job_gc_timeout_ms
+    assert "joined iteration" in consumer.output()
+
+
+OFF_READER = """
+import sys, time
+import torch_dataservice as tds
+pipeline = tds.Pipeline.range(10**9).apply(tds.distribute("parallel_epochs", sys.argv[1]))
+try:
+    for i, _ in enumerate(pipeline):
+        if i == 100:
+            print("reading", flush=True)
+        time.sleep(0.001)
+except Exception as error:
+    print(f"ERROR {type(error).__name__}: {error}", flush=True)
+"""
+
+
+def test_a_paused_off_reader_fails_naming_job_gc_timeout(process_cluster: ProcessCluster) -> None:
+    process_cluster.start_dispatcher("--job-gc-timeout-ms", "300")
+    process_cluster.start_worker()
+    proc = subprocess.Popen([sys.executable, "-c", OFF_READER, process_cluster.target],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=process_cluster.env, cwd=REPO)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "reading"
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(PAUSE_S)
+        proc.send_signal(signal.SIGCONT)
+        output = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+    assert "ERROR" in output and "job_gc_timeout_ms" in output, output
+    assert "not known" not in output, output

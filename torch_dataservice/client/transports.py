@@ -1,0 +1,128 @@
+"""How a reader reaches one task's worker, chosen once per task (as tf.data service's
+data-transfer clients are), best first:
+
+  - a worker in this process: a direct call (`InProcess`);
+  - a worker on this host: its data port's Unix socket; any other: its data port over TCP
+    (`DataPortTransport`; worker/data_port.py, client/data_port.py);
+  - a worker without a data port: gRPC streaming (`GrpcStream`).
+
+`target_workers="ANY"` skips the first two and takes the network path, as a remote trainer
+would. Each transport's `fetch` raises what its path raises: grpc.RpcError, LookupError (the
+worker does not know the task yet), OSError/EOFError (a connection problem, `network` paths
+only), DataPortError, WorkerGone (an in-process worker stopped: choose again).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Protocol
+
+from torch_dataservice.client.data_port import DataPortPool
+from torch_dataservice.proto import common_pb2, worker_pb2
+from torch_dataservice.rpc import WORKER_SERVICE_NAME, channel_to
+from torch_dataservice.wire import frame, inprocess
+
+STREAM_TIMEOUT_S = 30
+
+
+class Transport(Protocol):
+    network: bool  # OSError/EOFError mean the worker is unreachable (else: a real error)
+    borrow: bool  # payloads are ours alone: decode may build tensors over them
+
+    def fetch(self, request: worker_pb2.GetElementsRequest) -> tuple[Any, list]: ...
+
+
+class WorkerGone(Exception):
+    """The in-process worker a transport was chosen for stopped: choose again."""
+
+
+class InProcess:
+    """A worker in this process. Its payloads are objects of an executor thread
+    (LocalElement), or shared-memory segments handed to us alone unless a cross-trainer
+    cache serves the same payload to every trainer (then not borrowed)."""
+
+    network = False
+
+    def __init__(self, address: str, service: Any, shared: bool) -> None:
+        self._address = address
+        self._service = service
+        self.borrow = not shared
+
+    def fetch(self, request: worker_pb2.GetElementsRequest) -> tuple[Any, list]:
+        if inprocess.lookup(self._address) is not self._service:
+            raise WorkerGone(f"worker {self._address} stopped")  # or restarted at the address
+        return self._service.fetch(request, local=True)
+
+
+class DataPortTransport:
+    """Each big payload arrives in a buffer of its own: the tensors' memory."""
+
+    network = True
+    borrow = True
+
+    def __init__(self, pool: DataPortPool, target: tuple) -> None:
+        self._pool = pool
+        self.target = target
+
+    def fetch(self, request: worker_pb2.GetElementsRequest) -> tuple[Any, list]:
+        return self._pool.fetch(self.target, request)
+
+
+class GrpcStream:
+    """Streamed in chunks, assembled into one buffer per big payload (wire/frame.py)."""
+
+    network = True
+    borrow = True
+
+    def __init__(self, address: str) -> None:
+        self._address = address
+
+    def fetch(self, request: worker_pb2.GetElementsRequest) -> tuple[Any, list]:
+        call = channel_to(self._address).unary_stream(
+            f"/{WORKER_SERVICE_NAME}/StreamElements",
+            request_serializer=worker_pb2.GetElementsRequest.SerializeToString,
+        )(request, timeout=STREAM_TIMEOUT_S)
+        try:
+            return frame.assemble_frame(call)
+        except BaseException:
+            call.cancel()
+            raise
+
+
+def data_target(info: common_pb2.TaskInfo, target_workers: str) -> tuple | None:
+    """Where to reach `info`'s worker's data port, or None (gRPC): its Unix socket if it runs
+    on this host (unless target_workers is "ANY"), else its TCP port."""
+    if (info.data_socket and info.host_id == inprocess.HOST_ID
+            and target_workers != "ANY" and os.path.exists(info.data_socket)):
+        return ("unix", info.data_socket)
+    if info.data_port:
+        host = info.worker_address.rsplit(":", 1)[0].strip("[]")
+        return ("tcp", host, info.data_port)
+    return None
+
+
+def choose(info: common_pb2.TaskInfo, target_workers: str, pool: DataPortPool,
+           shared: bool) -> Transport:
+    """The best way to reach `info`'s worker (`shared`: a cross-trainer cache read)."""
+    if info.process_id == inprocess.process_id() and target_workers != "ANY":
+        service = inprocess.lookup(info.worker_address)
+        if service is not None:
+            return InProcess(info.worker_address, service, shared)
+    target = data_target(info, target_workers)
+    if target is not None:
+        return DataPortTransport(pool, target)
+    return GrpcStream(info.worker_address)
+
+
+def task_groups(infos: list[common_pb2.TaskInfo], target_workers: str) -> list[list[int]]:
+    """Task ids in the order fetch threads should prefer them: under "AUTO", workers in this
+    process, then on this host, then the rest (a free local task is read before a remote
+    one; remote ones are still read); otherwise one group. Each group is sorted by id."""
+    if target_workers != "AUTO":
+        return [sorted(info.task_id for info in infos)]
+    groups: list[list[int]] = [[], [], []]
+    for info in infos:
+        rank = (0 if info.process_id == inprocess.process_id()
+                else 1 if info.host_id == inprocess.HOST_ID else 2)
+        groups[rank].append(info.task_id)
+    return [sorted(group) for group in groups if group]
