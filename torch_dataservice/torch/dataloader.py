@@ -219,6 +219,10 @@ class DataLoader(torch.utils.data.DataLoader):
         ref = self._tds_registrar.fetch_ref(fetch, self.persistent_workers)
         # num_workers=0: torch's sampler draws at the first next(); with workers, at iter().
         lazy = self.num_workers == 0 and epoch.batches is None and not self._tds_epochs.seeded
+        if self.num_workers == 0:
+            options.on_next = epoch.advance
+        else:
+            options.on_yield = epoch.advance
         return LoaderIterator(lambda: self._tds_read_map(epoch, progress, fetch, ref),
                               progress, options, lazy=lazy)
 
@@ -242,9 +246,11 @@ class DataLoader(torch.utils.data.DataLoader):
             self, epoch, ranks.rank, ranks.world_size, self._tds_split, self._tds_registrar.even,
             self._tds_default_sampling, self._tds_shuffle)
         progress.total = len(batches)
+        if self.num_workers > 0:
+            epoch.advance(self.num_workers * (self.prefetch_factor or 2))  # torch's prefetch
         items = [(p, b) for p, b in enumerate(batches) if p not in progress.positions]
         if not items:
-            return lambda emit, stop: None
+            return lambda emit, sources: None
         registrar = self._tds_registrar
         reader = registrar.read_epoch(epoch.number, items, self._tds_seeds(epoch), ref, fetch)
         if (self.in_order and registrar.policy == ShardingPolicy.DYNAMIC

@@ -51,6 +51,19 @@ class Epoch:
     batches: list[Any] | None = None
     _sampler_iter: Any = None
     _replay: bool = False
+    #: torch-exact epochs: a second iterator of the sampler, advanced as torch's iterator
+    #: consumes indices, so the generators end each step where torch's would.
+    _shadow: Any = None
+
+    def advance(self, count: int = 1) -> None:
+        """Consume `count` index batches as torch's iterator would (its RNG draws)."""
+        shadow = self._shadow
+        for _ in range(count if shadow is not None else 0):
+            try:
+                next(shadow)
+            except StopIteration:
+                self._shadow = None  # an exhausted sampler draws nothing more
+                return
 
 
 class EpochPlanner:
@@ -143,7 +156,13 @@ class EpochPlanner:
         if epoch.batches is not None:
             return epoch.batches
         if not self.seeded:
+            # The whole epoch is registered now, but torch's sampler draws as its iterator
+            # goes (a broken-off epoch may not draw its end): draw all from here, put the
+            # RNGs back, and let `Epoch.advance` draw again in torch's steps.
+            snapshot = sampling.rng_snapshot(loader)
             epoch.batches = list(epoch._sampler_iter)
+            sampling.restore(loader, snapshot)
+            epoch._shadow = iter(sampling.index_sampler(loader))
             return epoch.batches
         assert self.seed is not None
         if default_sampling:

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,7 +31,14 @@ from torch_dataservice.torch.shards import ShardEnd
 _POLL_S = 0.1
 
 Emit = Callable[[Any, Any], None]  # (position or None, batch)
-Reading = Callable[[Emit, threading.Event], None]
+# Runs on the reading thread: emits the epoch's batches; records the sources it opens in the
+# list, so that closing the iterator can close them from another thread.
+Reading = Callable[[Emit, list], None]
+EXIT_JOIN_S = 2.0
+
+# Iterators whose reading threads may still run: closed at exit, before the embedded service
+# stops (embedded.py), so a script that broke out of an epoch exits promptly and quietly.
+_live: weakref.WeakSet[LoaderIterator] = weakref.WeakSet()
 
 
 @dataclass
@@ -68,6 +77,10 @@ class IterOptions:
     dataset: Any = None
     num_workers: int = 0
     length: Callable[[], int] | None = None
+    #: torch's sampler draws: one index batch per next() (no workers), or one per batch
+    #: yielded (workers, after their prefetch at iter()).
+    on_next: Callable[[], None] | None = None
+    on_yield: Callable[[], None] | None = None
 
 
 class LoaderIterator:
@@ -84,6 +97,8 @@ class LoaderIterator:
         self._done = False
         self._prepare: Callable[[], Reading] | None = prepare
         self._thread: threading.Thread | None = None
+        self._sources: list[Any] = []
+        _live.add(self)
         if not lazy:
             self._start()
 
@@ -94,7 +109,8 @@ class LoaderIterator:
         # The thread holds no reference to this object, so an abandoned iterator is collected
         # and its __del__ stops the thread.
         self._thread = threading.Thread(
-            target=_run_reading, args=(reading, self._queue, self._stop, self._options.pin_device),
+            target=_run_reading,
+            args=(reading, self._queue, self._stop, self._options.pin_device, self._sources),
             name="tds-dataloader-reader", daemon=True)
         self._thread.start()
 
@@ -126,6 +142,8 @@ class LoaderIterator:
             except BaseException:
                 self._finish(failed=True)
                 raise
+        if self._options.on_next is not None:
+            self._options.on_next()
         item = self._get()  # a timeout leaves the iterator as it is: next() waits again
         if isinstance(item, _End):
             self._finish(failed=False)
@@ -134,6 +152,8 @@ class LoaderIterator:
             self._finish(failed=True)
             raise item.error
         position, batch = item
+        if self._options.on_yield is not None:
+            self._options.on_yield()
         progress = self._progress
         progress.yielded += 1
         if isinstance(position, int):
@@ -167,16 +187,39 @@ class LoaderIterator:
         self._stop.set()
 
     def close(self) -> None:
-        """Stop reading (also done when the iterator is garbage-collected)."""
+        """Stop reading and release the service's iteration (also done when the iterator is
+        garbage-collected, and at exit)."""
         self._done = True
         self._stop.set()
+        for source in list(self._sources):
+            close = getattr(source, "close", None)
+            if close is not None:
+                close()
+
+    def join(self, deadline: float) -> None:
+        thread = self._thread
+        if thread is not None:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def __del__(self) -> None:
         self._stop.set()
 
 
+def close_all() -> None:
+    """Close every live iterator and wait (briefly) for their reading threads."""
+    iterators = list(_live)
+    for iterator in iterators:
+        try:
+            iterator.close()
+        except Exception:  # exiting anyway: never turn a clean exit into a failure
+            pass
+    deadline = time.monotonic() + EXIT_JOIN_S
+    for iterator in iterators:
+        iterator.join(deadline)
+
+
 def _run_reading(reading: Reading, out: queue.Queue, stop: threading.Event,
-                 pin_device: str | None) -> None:
+                 pin_device: str | None, sources: list) -> None:
     """The reading thread: `reading` emits (position, batch) pairs into `out`, pinned; then
     the end, or the failure that stopped it."""
 
@@ -199,7 +242,7 @@ def _run_reading(reading: Reading, out: queue.Queue, stop: threading.Event,
         put((position, batch))
 
     try:
-        reading(emit, stop)
+        reading(emit, sources)
         put(_End())
     except _Stopped:
         pass
@@ -214,8 +257,9 @@ def reading_from(open_source: Callable[[], Iterator[Any]],
                  read: Callable[[Iterator[Any], Emit], None]) -> Reading:
     """A reading that opens the service's source on the thread and closes it at the end."""
 
-    def run(emit: Emit, stop: threading.Event) -> None:
+    def run(emit: Emit, sources: list) -> None:
         source = open_source()
+        sources.append(source)
         try:
             read(source, emit)
         finally:
