@@ -126,7 +126,7 @@ class Sleepy(Dataset):
 
     def __getitem__(self, index: int) -> int:
         if index == 0:
-            time.sleep(2.0)
+            time.sleep(3.0)
         return index
 
 
@@ -140,5 +140,5 @@ def test_timeout_raises_torchs_error_then_waits_again(cluster: Cluster) -> None:
             next(iterator)
         assert re.search(pattern, str(info.value)), (loader_type, str(info.value))
         if loader_type is tds.DataLoader:
-            time.sleep(1.5)  # as torch's does, the iterator waits again on the next call
+            time.sleep(2.5)  # as torch's does, the iterator waits again on the next call
             assert next(iterator).tolist() == [0, 1]

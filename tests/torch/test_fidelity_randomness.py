@@ -40,6 +40,10 @@ class AugmentedStream(IterableDataset):
             yield index, float(torch.rand(())), random.random(), float(np.random.rand())
 
 
+def as_is(samples: Any) -> Any:
+    return samples
+
+
 def epochs(loader: Any, count: int = 2, seed: int | None = 7) -> list[list[tuple]]:
     if seed is not None:
         torch.manual_seed(seed)
@@ -47,7 +51,7 @@ def epochs(loader: Any, count: int = 2, seed: int | None = 7) -> list[list[tuple
 
 
 def test_augmentations_follow_the_global_seed_and_change_per_epoch(cluster: Cluster) -> None:
-    kwargs = dict(batch_size=None, shuffle=True, num_workers=2, collate_fn=lambda s: s)
+    kwargs = dict(batch_size=None, shuffle=True, num_workers=2, collate_fn=as_is)
     theirs_loader = torch.utils.data.DataLoader(Augmented(), **kwargs)
     ours_loader = tds.DataLoader(Augmented(), service=cluster.target, **kwargs)
     theirs, ours = epochs(theirs_loader), epochs(ours_loader)

@@ -68,17 +68,17 @@ STATE_KEYS = state.REQUIRED_KEYS
 class DataLoader(torch.utils.data.DataLoader):
     """A drop-in for `torch.utils.data.DataLoader` fed by the service.
 
-    Takes torch's arguments (same positions) and yields the same batches; `num_workers`,
-    `prefetch_factor`, `persistent_workers`, `worker_init_fn` and `multiprocessing_context` are
-    checked as torch checks them and otherwise ignored: the service's workers do the work.
-    Keyword-only extras:
+    Takes torch's arguments (same positions) and yields the same batches. `num_workers` is how
+    many torch workers the batches are made as (WorkerInfo, seeds, `worker_init_fn`, an
+    iterable dataset's shards), not a number of processes: the service's workers do the work;
+    `prefetch_factor` and `persistent_workers` shape the draws and seeds as in torch, and
+    `multiprocessing_context` is checked and ignored. Keyword-only extras:
 
     - `service`: `"grpc://HOST:PORT"`; None reads `TORCH_DATASERVICE_ADDRESS`, and if that is
       unset starts a dispatcher and a worker in this process (`embedded.py`).
     - `processing_mode`: how the service divides the work. The default, DYNAMIC
       ("distributed_epoch"), makes each batch once; the others keep tf.data service's meaning
-      ("parallel_epochs": every worker makes the whole epoch) and yield in arrival order. An
-      iterable dataset that is not a splittable Pipeline is read with "parallel_epochs".
+      ("parallel_epochs": every worker makes the whole epoch) and yield in arrival order.
     - `job_name`: loaders with the same name share each epoch's batches, first come first
       served (then batches come in arrival order). Under torchrun an iterable dataset's ranks
       share one job anyway; a `job_name` given there names it (all ranks must pass the same).
