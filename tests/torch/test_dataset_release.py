@@ -98,9 +98,9 @@ def test_a_shared_dataset_the_dispatcher_lost_is_registered_again(cluster) -> No
     loader = tds.DataLoader(dataset, batch_size=32, service=cluster.target)
     assert len(list(loader)) == 2
     state = cluster.dispatcher._service.state  # noqa: SLF001
-    shared_id = loader._tds_shared[2]  # noqa: SLF001
+    shared_id = loader._tds_registrar.shared[2]  # noqa: SLF001
     # As after a restart without a journal: the dataset is gone.
     fingerprint = state.datasets.pop(shared_id).definition.fingerprint
     state.dataset_by_fingerprint.pop(fingerprint)
     assert len(list(loader)) == 2
-    assert loader._tds_shared[2] != shared_id  # noqa: SLF001
+    assert loader._tds_registrar.shared[2] != shared_id  # noqa: SLF001

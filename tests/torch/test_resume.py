@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import itertools
-import queue
 import threading
 from typing import Any
 
@@ -14,7 +13,7 @@ from torch.utils.data import Dataset
 
 import torch_dataservice as tds
 from tests.conftest import Cluster
-from torch_dataservice.torch import dataloader as dataloader_module
+from torch_dataservice.torch import loader_iter
 
 
 class Indices(Dataset):
@@ -158,12 +157,9 @@ def test_each_rank_restores_its_own_state(cluster: Cluster,
 
 def test_reorder_buffer_restores_positions() -> None:
     def read(arrivals: list, start: int, end: int) -> list[str]:
-        out: queue.Queue = queue.Queue()
-        dataloader_module._read_epoch(lambda: iter(arrivals), out, threading.Event(), start,
-                                      end, True, 0, None)
-        got = []
-        while not isinstance(item := out.get(), dataloader_module._End):
-            got.append(item)
+        got: list[str] = []
+        loader_iter.read_positions(iter(arrivals), lambda position, batch: got.append(batch),
+                                   list(range(start, end)))
         return got
 
     arrivals = [(2, "c"), (0, "a"), (4, "e"), (1, "b"), (3, "d"), (6, "g")]

@@ -40,6 +40,10 @@ def embedded_target() -> str:
     with _lock:
         if _servers is None:
             _servers = _start()
+            # Before concurrent.futures' own exit hook (threading's atexit runs in reverse
+            # order, ahead of atexit's): it would refuse the servers' gRPC threads new work
+            # and leave calls in flight hanging until their deadlines.
+            threading._register_atexit(shutdown)  # type: ignore[attr-defined]
             atexit.register(shutdown)
         return _servers[0].target
 
@@ -82,6 +86,10 @@ def shutdown() -> None:
     with _lock:
         servers, _servers = _servers, None
     if servers is not None:
+        # Readers first: their iterations are released while the service still answers.
+        from torch_dataservice.torch import loader_iter
+
+        loader_iter.close_all()
         dispatcher, worker = servers
         worker.stop()
         dispatcher.stop()

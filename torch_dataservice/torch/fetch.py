@@ -4,16 +4,68 @@ The callable travels inside the registered pipeline (cloudpickled, so a dataset 
 defined in the training script's `__main__` goes by value) and runs in the worker's executor
 processes. Fetching is torch's own `_MapDatasetFetcher`, so `__getitems__`, auto-collation and
 `batch_size=None` (no batching: `collate_fn(dataset[i])`) behave exactly as in torch's workers.
+
+Each batch is made as torch's worker `position % num_workers` would make it (its WorkerInfo,
+`worker_init_fn` run first in each process), with the RNGs seeded for that batch alone as torch
+seeds a worker, `base_seed + position` (worker_context.py): the same seed gives the same
+augmentations whichever executor makes the batch, and the first `num_workers` batches of an
+epoch get exactly torch's. An exception becomes a `BatchError` element, so the epoch goes on
+with the next batch as torch's does.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
+from torch_dataservice.errors import RemoteError, describe_exception
 from torch_dataservice.pipeline.shared_objects import SharedObjectRef
+from torch_dataservice.torch.worker_context import (
+    RngStates,
+    as_torch_worker,
+    round_seed,
+    worker_info,
+)
+
+_init_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class BatchError:
+    """An exception raised while making one batch, carried to the trainer in its place."""
+
+    remote_type: str
+    message: str
+    traceback: str
+
+    @classmethod
+    def of(cls, error: BaseException) -> BatchError:
+        return cls(*describe_exception(error))
+
+    def error(self) -> RemoteError:
+        """The exception to raise on the trainer (of the remote type where it exists here)."""
+        return RemoteError(self.remote_type, self.message, self.traceback)
+
+
+@dataclass(frozen=True)
+class EpochSeeds:
+    """What an epoch's batches are seeded from, as torch's DataLoader iterator would.
+
+    `base_seed`: drawn per `iter()` (persistent workers: once; `round` counts their epochs).
+    Seeds go by global batch number `position * stride + offset` (ranks interleave), so two
+    ranks sharing a base seed never draw alike.
+    """
+
+    base_seed: int
+    round: int = 0
+    num_workers: int = 0
+    worker_init_fn: Callable[[int], None] | None = None
+    stride: int = 1
+    offset: int = 0
 
 
 class FetchBatch:
@@ -32,27 +84,60 @@ class FetchBatch:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
 
-    def __call__(self, item: tuple[int, Any]) -> tuple[int, Any]:
-        fetcher = self.__dict__.get("_fetcher")
-        if fetcher is None:
-            fetcher = self._fetcher = _MapDatasetFetcher(
-                self.dataset, self.auto_collation, self.collate_fn, False)
+    def __call__(self, item: tuple[int, Any], seeds: EpochSeeds | None = None) -> tuple[int, Any]:
         position, index = item
-        return position, fetcher.fetch(index)
+        if seeds is None:
+            return position, self._fetcher().fetch(index)
+        try:
+            info = None
+            if seeds.num_workers > 0:
+                info = worker_info(position % seeds.num_workers, seeds.num_workers,
+                                   seeds.base_seed, self.dataset)
+                self._init_worker(info, seeds)
+            rng = RngStates.seeded(round_seed(seeds.base_seed, seeds.round),
+                                   position * seeds.stride + seeds.offset)
+            with as_torch_worker(info, rng):
+                return position, self._fetcher().fetch(index)
+        except Exception as error:
+            return position, BatchError.of(error)
+
+    def _fetcher(self) -> _MapDatasetFetcher:
+        fetcher = self.__dict__.get("_made_fetcher")
+        if fetcher is None:
+            fetcher = self.__dict__["_made_fetcher"] = _MapDatasetFetcher(
+                self.dataset, self.auto_collation, self.collate_fn, False)
+        return fetcher
+
+    def _init_worker(self, info: Any, seeds: EpochSeeds) -> None:
+        """worker_init_fn(id) once per worker id in this process: per epoch, or once for
+        persistent workers (whose base seed stays). As in torch, a failure is the error of
+        that worker's first batch, and later batches go on."""
+        if seeds.worker_init_fn is None:
+            return
+        key = (seeds.base_seed, info.id)
+        with _init_lock:  # the replicas of several tasks share this object, as threads
+            done = self.__dict__.setdefault("_initialized", set())
+            if key in done:
+                return
+            done.add(key)
+        with as_torch_worker(info, RngStates.seeded(seeds.base_seed, info.id)):
+            seeds.worker_init_fn(info.id)
 
 
 class SharedFetchBatch:
-    """A `FetchBatch` registered once as a shared object, called through its reference.
+    """A `FetchBatch` registered once as a shared object, called through its reference with
+    this epoch's seeds.
 
     An epoch's pipeline holds this instead of the FetchBatch itself, so the dataset travels and
     is unpickled once per executor process, not once per epoch (pipeline/shared_objects.py).
     """
 
-    def __init__(self, fetch: SharedObjectRef) -> None:
+    def __init__(self, fetch: SharedObjectRef, seeds: EpochSeeds | None = None) -> None:
         self.fetch = fetch
+        self.seeds = seeds
 
     def __call__(self, item: tuple[int, Any]) -> tuple[int, Any]:
         fetch = self.fetch
         if isinstance(fetch, SharedObjectRef):
             raise RuntimeError(f"{fetch!r} is only resolved in a worker's executor")
-        return fetch(item)
+        return fetch(item, self.seeds)

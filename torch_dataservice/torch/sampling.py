@@ -127,6 +127,15 @@ def rng_snapshot(loader: torch.utils.data.DataLoader) -> dict[str, torch.Tensor]
     return snapshot
 
 
+def restore(loader: torch.utils.data.DataLoader, snapshot: dict[str, torch.Tensor]) -> None:
+    """Put the loader's generators and the global RNG back to `snapshot`."""
+    for name, generator in _generators(loader).items():
+        if name in snapshot:
+            generator.set_state(snapshot[name])
+    if GLOBAL_RNG in snapshot:
+        torch.set_rng_state(snapshot[GLOBAL_RNG])
+
+
 @contextlib.contextmanager
 def replaying(loader: torch.utils.data.DataLoader,
               snapshot: dict[str, torch.Tensor]) -> Iterator[None]:
