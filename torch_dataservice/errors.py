@@ -124,3 +124,15 @@ class JournalCorruptError(RuntimeError):
     """The dispatcher's journal is damaged in the middle (not a torn tail from a crash):
     replaying past the damage would roll state back and hand out data twice. The message
     names the file and byte offset, and how to recover (`journal_recovery="truncate"`)."""
+
+
+class VersionMismatchError(RuntimeError):
+    """The dispatcher refused this process: its wire protocol or Python `major.minor` differ
+    from the dispatcher's (torch_dataservice/version.py). The message names both sides'
+    versions; upgrade or downgrade one side so that they match."""
+
+
+# Trailing metadata that marks a FAILED_PRECONDITION as a version refusal, so a client can
+# raise VersionMismatchError without parsing the message.
+ERROR_KIND_KEY = "x-torch-dataservice-error"
+VERSION_MISMATCH_KIND = "version-mismatch"

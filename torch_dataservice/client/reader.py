@@ -43,6 +43,7 @@ from typing import Any
 
 import grpc
 
+from torch_dataservice import version
 from torch_dataservice.client.data_port import DataPortError, DataPortPool
 from torch_dataservice.errors import RemoteError, is_retryable
 from torch_dataservice.policies import STATIC_POLICIES, ShardingPolicy
@@ -186,8 +187,8 @@ class IterationReader:
         self._connect_timeout_s = connect_timeout_s
         try:
             job = retry(
-                lambda: self._dispatcher.GetOrCreateJob(
-                    dispatcher_pb2.GetOrCreateJobRequest(config=job_config), timeout=10),
+                lambda: self._dispatcher.GetOrCreateJob(dispatcher_pb2.GetOrCreateJobRequest(
+                    config=job_config, build=version.to_message(version.current())), timeout=10),
                 description=f"creating a job at {dispatcher_address}",
                 deadline_s=connect_timeout_s)
             iteration = retry(

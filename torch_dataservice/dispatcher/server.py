@@ -9,7 +9,7 @@ from torch_dataservice.config import DispatcherConfig
 from torch_dataservice.dispatcher.journal import Journal, NullJournal
 from torch_dataservice.dispatcher.service import DispatcherService
 from torch_dataservice.proto import dispatcher_pb2_grpc
-from torch_dataservice.serving import BackgroundLoop, start_grpc_server
+from torch_dataservice.serving import BackgroundLoop, advertised_host, start_grpc_server
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ class DispatchServer:
         self._stopped = threading.Event()
         self._service: DispatcherService | None = None
         self._liveness: BackgroundLoop | None = None
+        self._advertised_host = advertised_host(self._config.host)
         if start:
             self.start()
 
@@ -48,7 +49,9 @@ class DispatchServer:
 
     @property
     def address(self) -> str:
-        return f"{self._config.host}:{self._port}"
+        """HOST:PORT for clients and workers: a wildcard bind (0.0.0.0) is advertised as this
+        host's routable address (serving.advertised_host)."""
+        return f"{self._advertised_host}:{self._port}"
 
     @property
     def target(self) -> str:

@@ -19,23 +19,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch_dataservice.config import DispatcherConfig
-from torch_dataservice.dispatcher import (
-    coordinated,
-    liveness,
-    recovery,
-    splits,
-    tasks,
-    validation,
-)
+from torch_dataservice.dispatcher import coordinated, liveness, recovery, splits, tasks, validation
 from torch_dataservice.dispatcher.journal import Journal
 from torch_dataservice.dispatcher.soft import SoftState
 from torch_dataservice.dispatcher.state import DispatcherState, Iteration, Task
 from torch_dataservice.dispatcher.task_push import Push, TaskPusher
 from torch_dataservice.errors import NotReadyError
-from torch_dataservice.proto import (
-    dispatcher_pb2,
-    dispatcher_pb2_grpc,
-)
+from torch_dataservice.proto import dispatcher_pb2, dispatcher_pb2_grpc
 from torch_dataservice.rpc import servicer_method
 
 logger = logging.getLogger(__name__)
@@ -130,6 +120,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
     @_durable
     def GetOrCreateJob(self, request, context):
         config = request.config
+        validation.check_version(request, "this client")
         with self._lock:
             dataset = self._state.dataset(config.dataset_id)
             validation.validate_job(config, dataset.definition,

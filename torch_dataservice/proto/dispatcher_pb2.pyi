@@ -34,10 +34,12 @@ class GetDatasetDefResponse(_message.Message):
     def __init__(self, dataset: _Optional[_Union[_common_pb2.DatasetDef, _Mapping]] = ...) -> None: ...
 
 class GetOrCreateJobRequest(_message.Message):
-    __slots__ = ("config",)
+    __slots__ = ("config", "build")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
+    BUILD_FIELD_NUMBER: _ClassVar[int]
     config: _common_pb2.JobConfig
-    def __init__(self, config: _Optional[_Union[_common_pb2.JobConfig, _Mapping]] = ...) -> None: ...
+    build: _common_pb2.BuildInfo
+    def __init__(self, config: _Optional[_Union[_common_pb2.JobConfig, _Mapping]] = ..., build: _Optional[_Union[_common_pb2.BuildInfo, _Mapping]] = ...) -> None: ...
 
 class GetOrCreateJobResponse(_message.Message):
     __slots__ = ("job_id",)
@@ -134,7 +136,7 @@ class ReleaseIterationClientResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerHeartbeatRequest(_message.Message):
-    __slots__ = ("worker_address", "worker_uid", "current_tasks", "host_id", "process_id", "data_port", "data_socket")
+    __slots__ = ("worker_address", "worker_uid", "current_tasks", "host_id", "process_id", "data_port", "data_socket", "build")
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WORKER_UID_FIELD_NUMBER: _ClassVar[int]
     CURRENT_TASKS_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +144,7 @@ class WorkerHeartbeatRequest(_message.Message):
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     DATA_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    BUILD_FIELD_NUMBER: _ClassVar[int]
     worker_address: str
     worker_uid: int
     current_tasks: _containers.RepeatedScalarFieldContainer[int]
@@ -149,7 +152,8 @@ class WorkerHeartbeatRequest(_message.Message):
     process_id: str
     data_port: int
     data_socket: str
-    def __init__(self, worker_address: _Optional[str] = ..., worker_uid: _Optional[int] = ..., current_tasks: _Optional[_Iterable[int]] = ..., host_id: _Optional[str] = ..., process_id: _Optional[str] = ..., data_port: _Optional[int] = ..., data_socket: _Optional[str] = ...) -> None: ...
+    build: _common_pb2.BuildInfo
+    def __init__(self, worker_address: _Optional[str] = ..., worker_uid: _Optional[int] = ..., current_tasks: _Optional[_Iterable[int]] = ..., host_id: _Optional[str] = ..., process_id: _Optional[str] = ..., data_port: _Optional[int] = ..., data_socket: _Optional[str] = ..., build: _Optional[_Union[_common_pb2.BuildInfo, _Mapping]] = ...) -> None: ...
 
 class WorkerHeartbeatResponse(_message.Message):
     __slots__ = ("new_tasks", "tasks_to_delete", "worker_index")

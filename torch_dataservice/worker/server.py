@@ -10,12 +10,12 @@ import time
 
 import grpc
 
-from torch_dataservice import auth
-from torch_dataservice.config import WorkerConfig
+from torch_dataservice import auth, version
+from torch_dataservice.config import PORT_PLACEHOLDER, WorkerConfig
 from torch_dataservice.errors import ServiceUnavailableError
 from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
-from torch_dataservice.rpc import channel_to, retry
-from torch_dataservice.serving import BackgroundLoop, start_grpc_server
+from torch_dataservice.rpc import channel_to, is_version_mismatch, retry
+from torch_dataservice.serving import BackgroundLoop, advertised_host, start_grpc_server
 from torch_dataservice.wire import inprocess
 from torch_dataservice.worker.data_port import DataPort
 from torch_dataservice.worker.service import WorkerService
@@ -25,6 +25,22 @@ from torch_dataservice.worker.tasks import TaskManager
 logger = logging.getLogger(__name__)
 
 REGISTRATION_WAIT_S = 10.0
+# What the dispatcher answers to a worker it will never accept as it is: a bad or unlisted
+# address, another version, a wrong token. Retrying cannot help: the worker exits.
+REFUSAL_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                           grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+
+
+def worker_address(config: WorkerConfig, port: int) -> str:
+    """What the dispatcher tells clients to dial: `worker_address` with `%port%` filled in, or
+    this host's advertised name (never a wildcard, see serving.advertised_host) and `port`."""
+    if config.worker_address:
+        return config.worker_address.replace(PORT_PLACEHOLDER, str(port))
+    dispatcher_host = config.dispatcher_address.rpartition(":")[0]
+    host = advertised_host(config.host, dispatcher_host)
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
 
 
 class WorkerRefusedError(RuntimeError):
@@ -65,6 +81,16 @@ class WorkerServer:
         return self._port
 
     @property
+    def data_port(self) -> int:
+        """The TCP port elements are served on besides gRPC (0 before start)."""
+        return self._data_port.port if self._data_port is not None else 0
+
+    @property
+    def registered(self) -> bool:
+        """The dispatcher accepted this worker's registration."""
+        return self._registered.is_set()
+
+    @property
     def config(self) -> WorkerConfig:
         return self._config
 
@@ -86,12 +112,12 @@ class WorkerServer:
             self._service = WorkerService(self._tasks, self._registered.is_set)
             self._server, self._port = start_grpc_server(
                 self._service.register, self._config.host, self._config.port)
-            self._address = self._config.worker_address or f"{self._config.host}:{self._port}"
+            self._address = worker_address(self._config, self._port)
             inprocess.register(self._address, self._service)
             # Elements also travel over a plain socket: gRPC caps big payloads
             # (worker/data_port.py).
             self._data_port = DataPort(self._service.fetch, self._registered.is_set,
-                                       self._config.host)
+                                       self._config.host, self._config.data_port)
             self._data_port.start()
         except BaseException:  # undo a start that failed half-way: nothing stays behind
             self._release(grace_s=0)
@@ -107,7 +133,8 @@ class WorkerServer:
             except grpc.RpcError:
                 time.sleep(0.1)
         self._heartbeat.start()
-        logger.info("worker serving at %s", self._address)
+        logger.info("worker serving at %s (gRPC port %d, data port %d)", self._address,
+                    self._port, self.data_port)
 
     def _release(self, grace_s: float) -> None:
         """Stop serving (replies under way get `grace_s`), then the data port and executors."""
@@ -130,16 +157,16 @@ class WorkerServer:
         request = dispatcher_pb2.WorkerHeartbeatRequest(
             worker_address=self._address, worker_uid=self._uid,
             current_tasks=self._tasks.task_ids(), host_id=inprocess.HOST_ID,
-            process_id=inprocess.process_id())
+            process_id=inprocess.process_id(), build=version.to_message(version.current()))
         data_port = self._data_port
         if data_port is not None:
             request.data_port, request.data_socket = data_port.port, data_port.socket_path
         try:
             response = self._dispatcher.WorkerHeartbeat(request, timeout=5)
         except grpc.RpcError as error:
-            if error.code() in (grpc.StatusCode.INVALID_ARGUMENT,
-                                grpc.StatusCode.FAILED_PRECONDITION):
-                self.refused = error.details()
+            if error.code() in REFUSAL_CODES:
+                kind = "version mismatch: " if is_version_mismatch(error) else ""
+                self.refused = f"{kind}{error.code().name}: {error.details()}"
                 logger.error("the dispatcher refused this worker: %s", self.refused)
                 self._stopped.set()
                 return
