@@ -254,6 +254,8 @@ def _run_worker(args: argparse.Namespace, signals: _Signals) -> int:
                 write_port_file(args.port_file, worker.address)
             print(f"worker serving at {worker.address} (gRPC port {worker.port}, data port "
                   f"{worker.data_port})", flush=True)
+    if signals.drain.is_set() and not signals.stop.is_set() and worker.refused is None:
+        worker.drain(stop=signals.stop)  # SIGTERM: hand back what it holds, then exit 0
     worker.stop()
     if worker.refused is not None:
         print(f"error: the dispatcher refused this worker: {worker.refused}", file=sys.stderr,
