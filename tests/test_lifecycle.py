@@ -50,6 +50,7 @@ def test_health_follows_registration_and_drain_and_needs_no_token(
     servers: list = [leaving]
     try:
         assert health(leaving.address) == NOT_SERVING
+        assert health(leaving.address, "liveness") == SERVING  # alive: not to be restarted
         dispatcher = tds.DispatchServer(tds.DispatcherConfig(host=HOST, port=port))
         servers.append(dispatcher)
         assert health(dispatcher.address) == SERVING

@@ -43,17 +43,24 @@ def start_grpc_server(
     return server, bound
 
 
+# Health service name that is SERVING for as long as the server runs: a liveness probe asks
+# for it, so a worker waiting for its dispatcher, or draining, is not restarted.
+LIVENESS = "liveness"
+
+
 class Health:
     """The standard gRPC health service (`grpc.health.v1.Health`) of one server.
 
-    Answers for the overall server ("") and for `service_name`, both NOT_SERVING until
-    `set_serving(True)`: what a Kubernetes `grpc:` probe or `grpc_health_probe` asks. It needs
-    no token (auth.py lets it through), so probes that cannot send metadata work.
+    Readiness: the overall server ("") and `service_name`, NOT_SERVING until
+    `set_serving(True)`. Liveness: `LIVENESS`, SERVING until `shutdown()`. This is what a
+    Kubernetes `grpc:` probe or `grpc_health_probe` asks; it needs no token (auth.py lets it
+    through), so probes that cannot send metadata work.
     """
 
     def __init__(self, service_name: str) -> None:
         self._names = ("", service_name)
         self._servicer = health.HealthServicer()
+        self._servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         self.set_serving(False)
 
     def register(self, server: grpc.Server) -> None:
