@@ -195,7 +195,7 @@ class ServerProcess:
         while time.monotonic() < deadline:
             for line in list(self.lines):
                 if line.startswith(("dispatcher serving at ", "worker serving at ")):
-                    self.address = line.split(" serving at ", 1)[1].strip().removeprefix(
+                    self.address = line.split(" serving at ", 1)[1].split()[0].removeprefix(
                         "grpc://")
                     return self.address
             if self.proc.poll() is not None:

@@ -19,9 +19,10 @@ from torch_dataservice import cli
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 DISPATCHER_FLAGS = ["--port", "--host", "--work-dir", "--fault-tolerant", "--worker-addresses",
-                    "--worker-timeout-ms", "--job-gc-timeout-ms"]
+                    "--worker-timeout-ms", "--job-gc-timeout-ms", "--port-file", "--log-level"]
 WORKER_FLAGS = ["--dispatcher", "--port", "--host", "--worker-address", "--processes",
-                "--heartbeat-interval-ms"]
+                "--heartbeat-interval-ms", "--data-port", "--port-file", "--dispatcher-file",
+                "--drain-timeout-s", "--log-level"]
 
 
 def help_text(capsys: pytest.CaptureFixture[str], *args: str) -> str:
@@ -73,7 +74,10 @@ def test_the_console_script_entry_point() -> None:
 @pytest.mark.parametrize("args, message", [
     (["dispatcher", "--fault-tolerant", "--port", "0"], "work_dir"),
     (["dispatcher", "--port", "70000"], "port"),
-    (["worker", "--dispatcher", "grpc://localhost:5000"], "dispatcher_address"),
+    (["worker", "--dispatcher", "http://localhost:5000"], "unsupported protocol 'http'"),
+    (["worker", "--dispatcher", "localhost:5000", "--data-port", "70000"], "data_port"),
+    (["worker", "--dispatcher", "localhost:5000", "--worker-address", "0.0.0.0:%port%"],
+     "names no host"),
     (["worker", "--dispatcher", "localhost:5000", "--processes", "-1"], "num_processes"),
 ])
 def test_bad_configurations_exit_with_an_error(capsys: pytest.CaptureFixture[str],

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # = version.PACKAGE_VERSION and pyproject.toml (tests/test_version.py)
 
 _EXPORTS = {
     "CrossTrainerCache": "torch_dataservice.client.api",
@@ -24,6 +24,7 @@ _EXPORTS = {
     "WorkerConfig": "torch_dataservice.config",
     "DispatchServer": "torch_dataservice.dispatcher.server",
     "RemoteError": "torch_dataservice.errors",
+    "VersionMismatchError": "torch_dataservice.errors",
     "SHARD_HINT": "torch_dataservice.pipeline",
     "Pipeline": "torch_dataservice.pipeline",
     "WorkerServer": "torch_dataservice.worker.server",
@@ -39,6 +40,7 @@ __all__ = [
     "Pipeline",
     "RemoteError",
     "ShardingPolicy",
+    "VersionMismatchError",
     "WorkerConfig",
     "WorkerServer",
     "distribute",
@@ -56,7 +58,7 @@ if TYPE_CHECKING:
     )
     from torch_dataservice.config import DispatcherConfig, WorkerConfig
     from torch_dataservice.dispatcher.server import DispatchServer
-    from torch_dataservice.errors import RemoteError
+    from torch_dataservice.errors import RemoteError, VersionMismatchError
     from torch_dataservice.pipeline import SHARD_HINT, Pipeline
     from torch_dataservice.torch.dataloader import DataLoader
     from torch_dataservice.worker.server import WorkerServer

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
 
 import grpc
+
+logger = logging.getLogger(__name__)
 
 TOKEN_ENV = "TORCH_DATASERVICE_TOKEN"
 ALLOW_UNAUTHENTICATED_ENV = "TORCH_DATASERVICE_ALLOW_UNAUTHENTICATED"
@@ -50,8 +53,13 @@ def check_bind(host: str) -> None:
         f"and client (or {ALLOW_UNAUTHENTICATED_ENV}=1 on a trusted network)")
 
 
+# Health checks need no token: Kubernetes' `grpc:` probes cannot send metadata, and the
+# answer (SERVING or not) reveals nothing and runs no code.
+UNAUTHENTICATED_PREFIXES = ("/grpc.health.v1.Health/",)
+
+
 class TokenCheck(grpc.ServerInterceptor):
-    """Server side: every call must carry the token."""
+    """Server side: every call must carry the token (health checks excepted)."""
 
     def __init__(self, expected: str) -> None:
         self._expected = expected.encode()
@@ -59,6 +67,8 @@ class TokenCheck(grpc.ServerInterceptor):
     def intercept_service(self, continuation: Callable[[Any], Any],
                           handler_call_details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(handler_call_details)
+        if handler_call_details.method.startswith(UNAUTHENTICATED_PREFIXES):
+            return handler
         metadata = dict(handler_call_details.invocation_metadata or ())
         given = metadata.get(METADATA_KEY, "")
         given_bytes = given.encode() if isinstance(given, str) else given
@@ -69,6 +79,7 @@ class TokenCheck(grpc.ServerInterceptor):
 
 def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+        logger.warning("refused a call from %s: missing or wrong token", context.peer())
         context.abort(grpc.StatusCode.UNAUTHENTICATED,
                       f"missing or wrong {TOKEN_ENV} token")
 

@@ -1,114 +1,278 @@
 """`torch-dataservice dispatcher|worker`: the servers as standalone processes.
 
-Both run until SIGTERM or SIGINT, then stop cleanly (exit code 0, port released).
+Both run until SIGTERM or SIGINT, then stop cleanly (exit code 0, port released); SIGTERM on a
+worker drains it first (see WorkerServer.drain). Every flag of a server also reads the
+environment variable TORCH_DATASERVICE_<FLAG> (upper case, dashes as underscores); a flag on
+the command line wins. The flags are tables (FLAGS), so a new one is a line, and its variable,
+help text and place in `--help` come with it.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from torch_dataservice.config import DispatcherConfig, WorkerConfig
 from torch_dataservice.errors import JournalCorruptError
+from torch_dataservice.rpc import parse_service
+from torch_dataservice.serving import write_port_file
+from torch_dataservice.version import version_text
+
+ENV_PREFIX = "TORCH_DATASERVICE_"
+DISPATCHER_FILE_LOG_EVERY_S = 10.0
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag; `kind` is "str", "int", "float" or "bool" (a switch)."""
+
+    name: str
+    help: str
+    kind: str = "str"
+    default: Any = None
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.lstrip("-").upper().replace("-", "_")
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+_TYPES: dict[str, Callable[[str], Any]] = {"str": str, "int": int, "float": float,
+                                           "bool": _bool}
+
+COMMON = [Flag("--log-level", "logging level: DEBUG, INFO, WARNING, ERROR (default: INFO)",
+               default="INFO")]
+PORT_FILE = Flag("--port-file", "once serving, write HOST:PORT to this file (atomically: "
+                                "other processes never see it half-written)")
+FLAGS: dict[str, list[Flag]] = {
+    "dispatcher": [
+        Flag("--port", "port to listen on; 0 picks a free one (default: 5000)", "int", 5000),
+        Flag("--host", "address to bind (default: localhost; 0.0.0.0: every interface, then "
+                       "this host's routable address is advertised)", default="localhost"),
+        Flag("--work-dir", "directory for the journal of dispatcher state (fault tolerance)"),
+        Flag("--fault-tolerant", "journal every state change to --work-dir and replay it on "
+                                 "start", "bool", False),
+        Flag("--journal-recovery", "a journal damaged in the middle: refuse to start (fail, "
+                                   "default) or cut it at the damage, losing the records after "
+                                   "it (truncate)", default="fail", choices=("fail", "truncate")),
+        Flag("--worker-addresses", "comma-separated fixed worker list HOST:PORT,... (needed by "
+                                   "static sharding: FILE, DATA, FILE_OR_DATA, HINT)"),
+        Flag("--worker-timeout-ms", "a worker silent this long is declared dead (default: "
+                                    "10000)", "int"),
+        Flag("--job-gc-timeout-ms", "an iteration without clients this long is collected "
+                                    "(default: 300000)", "int"),
+        PORT_FILE,
+    ],
+    "worker": [
+        Flag("--dispatcher", "dispatcher address HOST:PORT or grpc://HOST:PORT"),
+        Flag("--dispatcher-file", "read the dispatcher address from this file, waiting for it "
+                                  "to appear (what the dispatcher's --port-file writes)"),
+        Flag("--dispatcher-file-timeout-s", "how long to wait for --dispatcher-file (default: "
+                                            "600)", "float", 600.0),
+        Flag("--port", "gRPC port to listen on; 0 picks a free one (default: 0)", "int", 0),
+        Flag("--data-port", "TCP port elements are also served on; 0 picks a free one "
+                            "(default: 0)", "int", 0),
+        Flag("--host", "address to bind (default: localhost; 0.0.0.0: every interface)",
+             default="localhost"),
+        Flag("--worker-address", "address the dispatcher gives clients; %%port%% is replaced "
+                                  "by the gRPC port (default: HOST:PORT, or this host's "
+                                  "routable address when HOST is 0.0.0.0)"),
+        Flag("--processes", "executor processes that run pipelines (default: all cores)",
+             "int"),
+        Flag("--heartbeat-interval-ms", "how often to heartbeat the dispatcher (default: 500)",
+             "int"),
+        Flag("--dispatcher-timeout-ms", "give up a call to the dispatcher after this long "
+                                        "(default: 3600000)", "int"),
+        Flag("--cross-trainer-cache-bytes", "bytes of the cross-trainer cache window per job "
+                                            "(default: 1 GiB)", "int", 1 << 30),
+        Flag("--split-prefetch", "most DYNAMIC splits a task keeps in stock ahead of need "
+                                 "(default: 16)", "int", 16),
+        Flag("--drain-timeout-s", "on SIGTERM, serve what this worker holds for up to this "
+                                  "long, then hand the rest back (default: 30)", "float", 30.0),
+        PORT_FILE,
+    ],
+}
+HELP = {"dispatcher": "run the dispatcher (control plane)",
+        "worker": "run a worker (runs pipelines, serves elements)"}
+
+
+def _add(parser: argparse.ArgumentParser, flag: Flag, suppress: bool = False) -> None:
+    """Add `flag`, defaulting to its environment variable (the command line wins)."""
+    env = os.environ.get(flag.env)
+    default = flag.default
+    if suppress:
+        default = argparse.SUPPRESS
+    elif env is not None:
+        try:
+            default = _TYPES[flag.kind](env)
+        except (ValueError, argparse.ArgumentTypeError):
+            parser.error(f"{flag.env}={env!r} is not a valid {flag.kind} for {flag.name}")
+        if flag.choices and default not in flag.choices:
+            parser.error(f"{flag.env}={env!r}: {flag.name} must be one of {flag.choices}")
+    help_text = f"{flag.help} [env {flag.env}]"
+    if flag.kind == "bool":
+        parser.add_argument(flag.name, nargs="?", const=True, type=_bool, default=default,
+                            metavar="BOOL", help=help_text)
+    else:
+        parser.add_argument(flag.name, type=_TYPES[flag.kind], default=default,
+                            choices=flag.choices, help=help_text)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="torch-dataservice",
-        description="Run a torch_dataservice dispatcher or worker until SIGTERM/SIGINT.")
-    parser.add_argument("--log-level", default="INFO",
-                        help="logging level: DEBUG, INFO, WARNING, ERROR (default: INFO)")
+        description="Run a torch_dataservice dispatcher or worker until SIGTERM/SIGINT "
+                    "(SIGTERM drains a worker first).")
+    parser.add_argument("--version", action="version", version=version_text(),
+                        help="print the package, wire protocol and Python versions")
+    for flag in COMMON:
+        _add(parser, flag)
     commands = parser.add_subparsers(dest="command", required=True)
-
-    d = commands.add_parser("dispatcher", help="run the dispatcher (control plane)")
-    d.add_argument("--port", type=int, default=5000,
-                   help="port to listen on; 0 picks a free one (default: 5000)")
-    d.add_argument("--host", default="localhost",
-                   help="address to bind and to advertise (default: localhost)")
-    d.add_argument("--work-dir", default=None,
-                   help="directory for the journal of dispatcher state (fault tolerance)")
-    d.add_argument("--fault-tolerant", action="store_true",
-                   help="journal every state change to --work-dir and replay it on start")
-    d.add_argument("--journal-recovery", choices=("fail", "truncate"), default="fail",
-                   help="a journal damaged in the middle: refuse to start (fail, default) or "
-                        "cut it at the damage, losing the records after it (truncate)")
-    d.add_argument("--worker-addresses", default=None,
-                   help="comma-separated fixed worker list HOST:PORT,... (needed by static "
-                        "sharding: FILE, DATA, FILE_OR_DATA, HINT)")
-    d.add_argument("--worker-timeout-ms", type=int, default=None,
-                   help="a worker silent this long is declared dead (default: 10000)")
-    d.add_argument("--job-gc-timeout-ms", type=int, default=None,
-                   help="an iteration without clients this long is collected (default: 300000)")
-
-    w = commands.add_parser("worker", help="run a worker (runs pipelines, serves elements)")
-    w.add_argument("--dispatcher", required=True, help="dispatcher address HOST:PORT")
-    w.add_argument("--port", type=int, default=0,
-                   help="port to listen on; 0 picks a free one (default: 0)")
-    w.add_argument("--host", default="localhost",
-                   help="address to bind and to advertise (default: localhost)")
-    w.add_argument("--worker-address", default=None,
-                   help="address the dispatcher gives clients (default: HOST:PORT)")
-    w.add_argument("--processes", type=int, default=None,
-                   help="executor processes that run pipelines (default: all cores)")
-    w.add_argument("--heartbeat-interval-ms", type=int, default=None,
-                   help="how often to heartbeat the dispatcher (default: 500)")
-    w.add_argument("--cross-trainer-cache-bytes", type=int, default=1 << 30,
-                   help="bytes of the cross-trainer cache window per job (default: 1 GiB)")
-    w.add_argument("--split-prefetch", type=int, default=16,
-                   help="most DYNAMIC splits a task keeps in stock ahead of need (default: 16)")
+    for command, flags in FLAGS.items():
+        sub = commands.add_parser(command, help=HELP[command], description=HELP[command])
+        for flag in COMMON:  # also accepted after the subcommand
+            _add(sub, flag, suppress=True)
+        for flag in flags:
+            _add(sub, flag)
     return parser
 
 
-def _serve(server, stop: threading.Event) -> None:
-    def handle(signum, frame) -> None:
-        stop.set()
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "worker" and bool(args.dispatcher) == bool(args.dispatcher_file):
+        parser.error("worker: give exactly one of --dispatcher and --dispatcher-file "
+                     f"(or {Flag('--dispatcher', '').env})")
+    return args
 
-    signal.signal(signal.SIGTERM, handle)
-    signal.signal(signal.SIGINT, handle)
-    while not stop.wait(0.2):
-        if server.join(timeout=0):
-            break
+
+def dispatcher_address(text: str) -> str:
+    """`HOST:PORT` from what a user or a port file gives: `HOST:PORT` or `grpc://HOST:PORT`."""
+    _, address = parse_service(text.strip())
+    return address
+
+
+def wait_for_dispatcher_file(path: str, timeout_s: float, stop: Callable[[], bool]) -> str:
+    """The address in `path` once it exists (the dispatcher writes it atomically), logging
+    every 10 s while waiting; OSError after `timeout_s` or when `stop()` (a signal)."""
+    log = logging.getLogger("torch_dataservice.worker")
+    began = last_log = time.monotonic()
+    while not stop():
+        try:
+            with open(path) as source:
+                text = source.read().strip()
+            if text:
+                return dispatcher_address(text)
+        except FileNotFoundError:
+            pass
+        now = time.monotonic()
+        if now - began > timeout_s:
+            raise OSError(f"no dispatcher address in {path} after {timeout_s:.0f}s "
+                          "(--dispatcher-file-timeout-s)")
+        if now - last_log >= DISPATCHER_FILE_LOG_EVERY_S:
+            log.warning("still waiting for the dispatcher address in %s (%.0fs)", path,
+                        now - began)
+            last_log = now
+        time.sleep(0.2)
+    raise InterruptedError(f"stopped while waiting for {path}")
+
+
+class _Signals:
+    """SIGINT stops at once; SIGTERM asks a worker to drain (a second one stops at once)."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.drain = threading.Event()
+        signal.signal(signal.SIGTERM, self._term)
+        signal.signal(signal.SIGINT, lambda signum, frame: self.stop.set())
+
+    def any(self) -> bool:
+        return self.stop.is_set() or self.drain.is_set()
+
+    def _term(self, signum: int, frame: Any) -> None:
+        (self.stop if self.drain.is_set() else self.drain).set()
+
+
+def _run_dispatcher(args: argparse.Namespace, signals: _Signals) -> int:
+    from torch_dataservice.dispatcher.server import DispatchServer
+
+    addresses = args.worker_addresses.split(",") if args.worker_addresses else None
+    server = DispatchServer(DispatcherConfig(
+        port=args.port, host=args.host, work_dir=args.work_dir,
+        fault_tolerant_mode=args.fault_tolerant, worker_addresses=addresses,
+        journal_recovery=args.journal_recovery, worker_timeout_ms=args.worker_timeout_ms,
+        job_gc_timeout_ms=args.job_gc_timeout_ms))
+    if args.port_file:
+        write_port_file(args.port_file, server.address)
+    print(f"dispatcher serving at {server.target}", flush=True)
+    while not (signals.stop.wait(0.2) or signals.drain.is_set() or server.join(timeout=0)):
+        pass
     server.stop()
+    return 0
+
+
+def _run_worker(args: argparse.Namespace, signals: _Signals) -> int:
+    from torch_dataservice.worker.server import WorkerServer
+
+    if args.dispatcher:
+        address = dispatcher_address(args.dispatcher)
+    else:
+        try:
+            address = wait_for_dispatcher_file(args.dispatcher_file,
+                                               args.dispatcher_file_timeout_s, signals.any)
+        except InterruptedError:
+            return 0  # asked to stop before it started: nothing to drain
+    worker = WorkerServer(WorkerConfig(
+        dispatcher_address=address, port=args.port, host=args.host,
+        worker_address=args.worker_address, num_processes=args.processes,
+        heartbeat_interval_ms=args.heartbeat_interval_ms,
+        dispatcher_timeout_ms=args.dispatcher_timeout_ms, data_port=args.data_port,
+        cross_trainer_cache_bytes=args.cross_trainer_cache_bytes,
+        split_prefetch=args.split_prefetch, drain_timeout_s=args.drain_timeout_s))
+    announced = False
+    while not (signals.stop.wait(0.2) or signals.drain.is_set() or worker.join(timeout=0)):
+        if worker.registered and not announced:  # "serving" means: the dispatcher accepted it
+            announced = True
+            if args.port_file:
+                write_port_file(args.port_file, worker.address)
+            print(f"worker serving at {worker.address} (gRPC port {worker.port}, data port "
+                  f"{worker.data_port})", flush=True)
+    if signals.drain.is_set() and not signals.stop.is_set() and worker.refused is None:
+        worker.drain(stop=signals.stop)  # SIGTERM: hand back what it holds, then exit 0
+    worker.stop()
+    if worker.refused is not None:
+        print(f"error: the dispatcher refused this worker: {worker.refused}", file=sys.stderr,
+              flush=True)
+        return 2
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    stop = threading.Event()
+    signals = _Signals()
     try:
         if args.command == "dispatcher":
-            from torch_dataservice.dispatcher.server import DispatchServer
-
-            addresses = args.worker_addresses.split(",") if args.worker_addresses else None
-            server = DispatchServer(DispatcherConfig(
-                port=args.port, host=args.host, work_dir=args.work_dir,
-                fault_tolerant_mode=args.fault_tolerant, worker_addresses=addresses,
-                journal_recovery=args.journal_recovery,
-                worker_timeout_ms=args.worker_timeout_ms,
-                job_gc_timeout_ms=args.job_gc_timeout_ms))
-            print(f"dispatcher serving at {server.target}", flush=True)
-            _serve(server, stop)
-            return 0
-        from torch_dataservice.worker.server import WorkerServer
-
-        worker = WorkerServer(WorkerConfig(
-            dispatcher_address=args.dispatcher, port=args.port, host=args.host,
-            worker_address=args.worker_address, num_processes=args.processes,
-            heartbeat_interval_ms=args.heartbeat_interval_ms,
-            cross_trainer_cache_bytes=args.cross_trainer_cache_bytes,
-            split_prefetch=args.split_prefetch))
-        print(f"worker serving at {worker.address}", flush=True)
-        _serve(worker, stop)
-        if worker.refused is not None:
-            print(f"error: the dispatcher refused this worker: {worker.refused}",
-                  file=sys.stderr, flush=True)
-            return 2
-        return 0
+            return _run_dispatcher(args, signals)
+        return _run_worker(args, signals)
     except (ValueError, OSError, JournalCorruptError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2

@@ -11,9 +11,26 @@ def _check_positive_ms(name: str, value: int | None) -> None:
         raise ValueError(f"{name} must be a positive number of milliseconds, got {value!r}")
 
 
-def _check_port(port: int) -> None:
-    if not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
+def _check_port(port: int, name: str = "port") -> None:
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"{name} must be an int in [0, 65535], got {port!r}")
+
+
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
+PORT_PLACEHOLDER = "%port%"
+
+
+def _check_worker_address(address: str | None) -> None:
+    """HOST:PORT (PORT may be %port%), and never a wildcard host: clients dial it."""
+    if address is None:
+        return
+    host, sep, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+    if not sep or not host or not (port.isdigit() or port == PORT_PLACEHOLDER):
+        raise ValueError(f"worker_address must be HOST:PORT (PORT may be {PORT_PLACEHOLDER}), "
+                         f"got {address!r}")
+    if host in WILDCARD_HOSTS:
+        raise ValueError(f"worker_address {address!r} names no host clients can dial; give "
+                         "this host's name or address")
 
 
 def _check_protocol(protocol: str) -> None:
@@ -85,9 +102,14 @@ class DispatcherConfig:
 class WorkerConfig:
     """How a worker runs. `dispatcher_address` is `HOST:PORT` (no protocol).
 
-    `worker_address` is what the dispatcher tells clients (defaults to `host:port`);
+    `worker_address` is what the dispatcher tells clients; `%port%` in it becomes the bound
+    gRPC port. By default it is `host:port`, or, when `host` binds every interface (0.0.0.0,
+    ::), this host's routable address (serving.advertised_host): never a wildcard.
     `num_processes` is how many OS processes run pipelines (default: all cores; 0 runs them
-    in threads of this process, for debugging).
+    in threads of this process, for debugging). `data_port` fixes the TCP port elements are
+    also served on (worker/data_port.py; 0: a free one), so a firewall can allow it.
+    `drain_timeout_s`: on `drain()` (SIGTERM), how long the worker serves what it holds before
+    it hands the rest back to the dispatcher.
     """
 
     dispatcher_address: str
@@ -102,8 +124,17 @@ class WorkerConfig:
     # Most DYNAMIC splits a task keeps in stock ahead of need (worker/split_feed.py sizes the
     # stock to the GetSplit latency); 0 asks only when a process needs one.
     split_prefetch: int = 16
+    data_port: int = 0
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
+        _check_port(self.data_port, "data_port")
+        _check_worker_address(self.worker_address)
+        if (isinstance(self.drain_timeout_s, bool)
+                or not isinstance(self.drain_timeout_s, (int, float))
+                or not 0 <= self.drain_timeout_s < float("inf")):
+            raise ValueError(
+                f"drain_timeout_s must be a finite number >= 0, got {self.drain_timeout_s!r}")
         if not isinstance(self.dispatcher_address, str) or not self.dispatcher_address:
             raise ValueError(
                 f"dispatcher_address must be HOST:PORT, got {self.dispatcher_address!r}")

@@ -129,3 +129,15 @@ class JournalCorruptError(RuntimeError):
 class FailedPreconditionError(RuntimeError):
     """A request that can never succeed in the server's current state (FAILED_PRECONDITION),
     e.g. a reader whose iteration a journal recovery dropped."""
+
+
+class VersionMismatchError(RuntimeError):
+    """The dispatcher refused this process: its wire protocol or Python `major.minor` differ
+    from the dispatcher's (torch_dataservice/version.py). The message names both sides'
+    versions; upgrade or downgrade one side so that they match."""
+
+
+# Trailing metadata that marks a FAILED_PRECONDITION as a version refusal, so a client can
+# raise VersionMismatchError without parsing the message.
+ERROR_KIND_KEY = "x-torch-dataservice-error"
+VERSION_MISMATCH_KIND = "version-mismatch"

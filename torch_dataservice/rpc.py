@@ -14,9 +14,12 @@ import grpc
 
 from torch_dataservice import auth
 from torch_dataservice.errors import (
+    ERROR_KIND_KEY,
+    VERSION_MISMATCH_KIND,
     FailedPreconditionError,
     NotReadyError,
     ServiceUnavailableError,
+    VersionMismatchError,
     is_retryable,
 )
 
@@ -160,7 +163,9 @@ def servicer_method(method: Callable[..., Any]) -> Callable[..., Any]:
     Requests are checked first (`check_request`): a field out of range is INVALID_ARGUMENT
     and never reaches the state. NotReadyError -> UNAVAILABLE (retryable), ValueError ->
     INVALID_ARGUMENT, KeyError/LookupError -> NOT_FOUND, FailedPreconditionError ->
-    FAILED_PRECONDITION, anything else -> INTERNAL with its type and message.
+    FAILED_PRECONDITION, VersionMismatchError -> FAILED_PRECONDITION (marked in the trailing
+    metadata, and logged: an operator looks for refused peers in the dispatcher's log),
+    anything else -> INTERNAL with its type and message.
     """
 
     @functools.wraps(method)
@@ -170,6 +175,10 @@ def servicer_method(method: Callable[..., Any]) -> Callable[..., Any]:
             return method(self, request, context)
         except NotReadyError as error:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        except VersionMismatchError as error:
+            logger.warning("refused %s from %s: %s", method.__name__, context.peer(), error)
+            context.set_trailing_metadata(((ERROR_KIND_KEY, VERSION_MISMATCH_KIND),))
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         except ValueError as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except LookupError as error:
@@ -187,8 +196,19 @@ def rpc_error_to_exception(error: grpc.RpcError, what: str) -> Exception:
     """A non-retryable RpcError as the Python exception a user expects."""
     code = error.code()
     details = error.details() or ""
+    if is_version_mismatch(error):
+        return VersionMismatchError(f"{what}: {details}")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return ValueError(f"{what}: {details}")
     if code == grpc.StatusCode.NOT_FOUND:
         return LookupError(f"{what}: {details}")
     return RuntimeError(f"{what}: {code.name}: {details}")
+
+
+def is_version_mismatch(error: grpc.RpcError) -> bool:
+    """The dispatcher refused the call because the versions differ (see servicer_method)."""
+    if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
+        return False
+    trailing = getattr(error, "trailing_metadata", lambda: None)() or ()
+    return any(key == ERROR_KIND_KEY and value == VERSION_MISMATCH_KIND
+               for key, value in trailing)

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
+import socket
+import tempfile
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from torch_dataservice import auth
+from torch_dataservice.config import WILDCARD_HOSTS
 from torch_dataservice.rpc import SERVER_OPTIONS
 
 logger = logging.getLogger(__name__)
@@ -35,6 +41,40 @@ def start_grpc_server(
         raise OSError(f"could not bind {host}:{port} (in use or not a local address?)")
     server.start()
     return server, bound
+
+
+# Health service name that is SERVING for as long as the server runs: a liveness probe asks
+# for it, so a worker waiting for its dispatcher, or draining, is not restarted.
+LIVENESS = "liveness"
+
+
+class Health:
+    """The standard gRPC health service (`grpc.health.v1.Health`) of one server.
+
+    Readiness: the overall server ("") and `service_name`, NOT_SERVING until
+    `set_serving(True)`. Liveness: `LIVENESS`, SERVING until `shutdown()`. This is what a
+    Kubernetes `grpc:` probe or `grpc_health_probe` asks; it needs no token (auth.py lets it
+    through), so probes that cannot send metadata work.
+    """
+
+    def __init__(self, service_name: str) -> None:
+        self._names = ("", service_name)
+        self._servicer = health.HealthServicer()
+        self._servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+        self.set_serving(False)
+
+    def register(self, server: grpc.Server) -> None:
+        health_pb2_grpc.add_HealthServicer_to_server(self._servicer, server)
+
+    def set_serving(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in self._names:
+            self._servicer.set(name, status)
+
+    def shutdown(self) -> None:
+        """NOT_SERVING for good (watchers are told), before the server stops."""
+        self._servicer.enter_graceful_shutdown()
 
 
 class BackgroundLoop:
@@ -73,3 +113,70 @@ class BackgroundLoop:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
+
+
+# Where a UDP socket is "connected" to learn the default route's interface when there is no
+# peer to route toward: TEST-NET-1 (RFC 5737), never contacted (connecting a UDP socket sends
+# nothing).
+_UNROUTED_PROBE = "192.0.2.1"
+
+
+def _route_source(toward: str) -> str | None:
+    """The local address the kernel would use to reach `toward` (no packet is sent)."""
+    try:
+        infos = socket.getaddrinfo(toward.strip("[]"), 9, type=socket.SOCK_DGRAM)
+    except (OSError, UnicodeError):
+        return None
+    for family, kind, proto, _, address in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.connect(address)
+                source = probe.getsockname()[0]
+        except OSError:
+            continue
+        ip = ipaddress.ip_address(source.split("%", 1)[0])
+        if not ip.is_loopback and not ip.is_unspecified:
+            return source
+    return None
+
+
+def advertised_host(bind_host: str, toward: str | None = None) -> str:
+    """The host other machines should dial for a server bound to `bind_host`.
+
+    A specific bind address is its own answer. A wildcard (0.0.0.0, ::) is never advertised:
+    a client would dial itself. Instead, the address of the interface that routes toward
+    `toward` (a worker's dispatcher host), else the one of the default route, else the host
+    name. An address is the safest default: it needs no DNS (Kubernetes pods, network
+    namespaces and many compute nodes have no name others can resolve, and a Debian-style
+    /etc/hosts maps the host name to 127.0.1.1), and the route to the dispatcher is by
+    construction on the network the fleet uses. The host name is the last resort (a host
+    with no route at all). Multi-homed hosts whose clients sit on another network than the
+    dispatcher set `--worker-address`.
+    """
+    if bind_host not in WILDCARD_HOSTS:
+        return bind_host
+    candidates = [toward] if toward else []
+    for target in (*candidates, _UNROUTED_PROBE):
+        source = _route_source(target)
+        if source is not None:
+            return f"[{source}]" if ":" in source else source
+    return socket.gethostname()
+
+
+def write_port_file(path: str, address: str) -> None:
+    """Write `address` (HOST:PORT) to `path` atomically: a reader polling for the file (the
+    Slurm pattern, `worker --dispatcher-file`) sees it whole or not at all."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, temporary = tempfile.mkstemp(prefix=".tds-port-", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(address + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import grpc
 
+from torch_dataservice import version
 from torch_dataservice.client.delivery import Delivery
 from torch_dataservice.client.transports import task_groups
 from torch_dataservice.errors import is_retryable
@@ -61,7 +62,8 @@ class Membership:
         try:
             job = retry(
                 lambda: self._stub.GetOrCreateJob(
-                    dispatcher_pb2.GetOrCreateJobRequest(config=job_config),
+                    dispatcher_pb2.GetOrCreateJobRequest(
+                        config=job_config, build=version.to_message(version.current())),
                     timeout=JOIN_TIMEOUT_S),
                 description=f"creating a job at {dispatcher_address}",
                 deadline_s=connect_timeout_s)

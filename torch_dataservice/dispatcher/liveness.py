@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch_dataservice.dispatcher import splits
 from torch_dataservice.dispatcher.soft import SoftState
-from torch_dataservice.dispatcher.state import DispatcherState, Iteration
+from torch_dataservice.dispatcher.state import DispatcherState, Iteration, Worker
 from torch_dataservice.proto import dispatcher_pb2
 
 Update = dispatcher_pb2.Update
@@ -49,6 +49,11 @@ def idle_iterations(state: DispatcherState, soft: SoftState, now: float,
         elif now - since > timeout_s:
             idle.append(iteration)
     return idle
+
+
+def leaves(worker: Worker | None, request: dispatcher_pb2.WorkerHeartbeatRequest) -> bool:
+    """A drained worker says it leaves; only its own incarnation (uid) can remove it."""
+    return request.leaving and worker is not None and worker.uid == request.worker_uid
 
 
 def remove_worker(state: DispatcherState, address: str) -> list[Update]:

@@ -5,13 +5,17 @@ from __future__ import annotations
 import logging
 import threading
 
+import grpc
+
 from torch_dataservice.config import DispatcherConfig
 from torch_dataservice.dispatcher.journal import Journal, NullJournal
 from torch_dataservice.dispatcher.service import DispatcherService
 from torch_dataservice.proto import dispatcher_pb2_grpc
-from torch_dataservice.serving import BackgroundLoop, start_grpc_server
+from torch_dataservice.serving import BackgroundLoop, Health, advertised_host, start_grpc_server
 
 logger = logging.getLogger(__name__)
+
+DISPATCHER_SERVICE_NAME = "torch_dataservice.v1.DispatcherService"
 
 
 def _open_journal(config: DispatcherConfig) -> Journal:
@@ -35,6 +39,8 @@ class DispatchServer:
         self._stopped = threading.Event()
         self._service: DispatcherService | None = None
         self._liveness: BackgroundLoop | None = None
+        self._advertised_host = advertised_host(self._config.host)
+        self._health: Health | None = None
         if start:
             self.start()
 
@@ -48,7 +54,9 @@ class DispatchServer:
 
     @property
     def address(self) -> str:
-        return f"{self._config.host}:{self._port}"
+        """HOST:PORT for clients and workers: a wildcard bind (0.0.0.0) is advertised as this
+        host's routable address (serving.advertised_host)."""
+        return f"{self._advertised_host}:{self._port}"
 
     @property
     def target(self) -> str:
@@ -58,13 +66,16 @@ class DispatchServer:
         if self._server is not None:
             return
         journal = _open_journal(self._config)
-        self._service = DispatcherService(self._config, journal)
-        self._server, self._port = start_grpc_server(
-            lambda s: dispatcher_pb2_grpc.add_DispatcherServiceServicer_to_server(
-                self._service, s),
-            self._config.host,
-            self._config.port,
-        )
+        self._service = DispatcherService(self._config, journal)  # replays the journal
+        self._health = health = Health(DISPATCHER_SERVICE_NAME)
+
+        def register(server: grpc.Server) -> None:
+            dispatcher_pb2_grpc.add_DispatcherServiceServicer_to_server(self._service, server)
+            health.register(server)
+
+        self._server, self._port = start_grpc_server(register, self._config.host,
+                                                     self._config.port)
+        health.set_serving(True)  # the journal is replayed: requests see the whole state
         interval = min(self._config.effective_job_gc_check_interval_ms,
                        self._config.effective_worker_timeout_ms // 4 or 1) / 1000
         self._liveness = BackgroundLoop("dispatcher-liveness", interval,
@@ -77,6 +88,8 @@ class DispatchServer:
             return
         if self._liveness is not None:
             self._liveness.stop()
+        if self._health is not None:
+            self._health.shutdown()
         self._server.stop(grace=0.5).wait(5)
         if self._service is not None:
             self._service.close()

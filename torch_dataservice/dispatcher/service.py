@@ -120,6 +120,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
     @_durable
     def GetOrCreateJob(self, request, context):
         config = request.config
+        validation.check_version(request, "this client")
         with self._lock:
             dataset = self._state.dataset(config.dataset_id)
             validation.validate_job(config, dataset.definition,
@@ -228,10 +229,16 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         with self._lock:
             worker = self._state.workers.get(address)
             pushes: list[Push] = []
-            if worker is not None and worker.uid != request.worker_uid:
+            if liveness.leaves(worker, request):  # drained: hand back what it holds now
+                logger.info("worker %s left (drained)", address)
+                pushes = self._remove_worker(address)
+            elif worker is not None and worker.uid != request.worker_uid and not request.leaving:
                 logger.info("worker %s restarted; its old tasks are dropped", address)
                 pushes = self._remove_worker(address)
                 worker = None
+            if request.leaving:
+                self._pusher.push(pushes)
+                return dispatcher_pb2.WorkerHeartbeatResponse()
             if worker is None:
                 validation.check_worker(request)
                 index = validation.worker_index(address, self._config.worker_addresses or ())
@@ -320,6 +327,8 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                 self._apply(update)
                 key = (update.split_produced.split.repetition, update.split_produced.split.index)
                 self._soft.note_settled(iteration, {key: update.split_produced.num_elements})
+            if request.report_only:  # a draining worker: see GetSplitRequest.report_only
+                return dispatcher_pb2.GetSplitResponse(end_of_splits=True)
             last = task.last_split.get(request.replica)
             if request.request_id and last is not None and last[0] == request.request_id:
                 return splits.split_response(iteration, last[1])  # a retried request

@@ -9,7 +9,9 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from torch_dataservice import version
 from torch_dataservice.dispatcher.state import DispatcherState
+from torch_dataservice.errors import VersionMismatchError
 from torch_dataservice.policies import ShardingPolicy, policy_name
 from torch_dataservice.proto import common_pb2, dispatcher_pb2
 
@@ -105,6 +107,24 @@ def check_worker(request: dispatcher_pb2.WorkerHeartbeatRequest) -> None:
         raise ValueError(f"worker address {address[:300]!r} is not HOST:PORT")
     if not 0 <= request.data_port < 65536:
         raise ValueError(f"data_port={request.data_port} is not a port")
+    check_version(request, f"worker {address}")
+
+
+def check_version(request: dispatcher_pb2.WorkerHeartbeatRequest
+                  | dispatcher_pb2.GetOrCreateJobRequest, who: str) -> None:
+    """A peer on another wire protocol or Python major.minor is refused with both sides'
+    versions (VersionMismatchError -> FAILED_PRECONDITION, see rpc.servicer_method).
+
+    A request without versions is let through: it comes from a tool or test that speaks the
+    protocol directly (every WorkerServer and reader sends them, and no release predates
+    the check)."""
+    if not request.HasField("build"):
+        return
+    peer, mine = version.from_message(request.build), version.current()
+    why = mine.incompatibility(peer)
+    if why is not None:
+        raise VersionMismatchError(
+            f"{who} runs {peer.describe()}, but the dispatcher runs {mine.describe()}: {why}")
 
 
 def worker_index(address: str, worker_addresses: Sequence[str]) -> int:

@@ -34,6 +34,16 @@ class DatasetDef(_message.Message):
     ephemeral: bool
     def __init__(self, pipeline: _Optional[bytes] = ..., compression: _Optional[str] = ..., splittable: _Optional[bool] = ..., num_splits: _Optional[int] = ..., file_based: _Optional[bool] = ..., num_files: _Optional[int] = ..., has_shard_hint: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., order_sensitive: _Optional[bool] = ..., depends_on: _Optional[_Iterable[str]] = ..., shared_object: _Optional[bool] = ..., ephemeral: _Optional[bool] = ...) -> None: ...
 
+class BuildInfo(_message.Message):
+    __slots__ = ("package_version", "protocol_version", "python_version")
+    PACKAGE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PYTHON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    package_version: str
+    protocol_version: int
+    python_version: str
+    def __init__(self, package_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., python_version: _Optional[str] = ...) -> None: ...
+
 class JobConfig(_message.Message):
     __slots__ = ("dataset_id", "job_name", "sharding_policy", "num_consumers", "target_workers", "cross_trainer_cache")
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]

@@ -34,10 +34,12 @@ class GetDatasetDefResponse(_message.Message):
     def __init__(self, dataset: _Optional[_Union[_common_pb2.DatasetDef, _Mapping]] = ...) -> None: ...
 
 class GetOrCreateJobRequest(_message.Message):
-    __slots__ = ("config",)
+    __slots__ = ("config", "build")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
+    BUILD_FIELD_NUMBER: _ClassVar[int]
     config: _common_pb2.JobConfig
-    def __init__(self, config: _Optional[_Union[_common_pb2.JobConfig, _Mapping]] = ...) -> None: ...
+    build: _common_pb2.BuildInfo
+    def __init__(self, config: _Optional[_Union[_common_pb2.JobConfig, _Mapping]] = ..., build: _Optional[_Union[_common_pb2.BuildInfo, _Mapping]] = ...) -> None: ...
 
 class GetOrCreateJobResponse(_message.Message):
     __slots__ = ("job_id",)
@@ -138,7 +140,7 @@ class ReleaseIterationClientResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerHeartbeatRequest(_message.Message):
-    __slots__ = ("worker_address", "worker_uid", "current_tasks", "host_id", "process_id", "data_port", "data_socket")
+    __slots__ = ("worker_address", "worker_uid", "current_tasks", "host_id", "process_id", "data_port", "data_socket", "build", "leaving")
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WORKER_UID_FIELD_NUMBER: _ClassVar[int]
     CURRENT_TASKS_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +148,8 @@ class WorkerHeartbeatRequest(_message.Message):
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     DATA_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    BUILD_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
     worker_address: str
     worker_uid: int
     current_tasks: _containers.RepeatedScalarFieldContainer[int]
@@ -153,7 +157,9 @@ class WorkerHeartbeatRequest(_message.Message):
     process_id: str
     data_port: int
     data_socket: str
-    def __init__(self, worker_address: _Optional[str] = ..., worker_uid: _Optional[int] = ..., current_tasks: _Optional[_Iterable[int]] = ..., host_id: _Optional[str] = ..., process_id: _Optional[str] = ..., data_port: _Optional[int] = ..., data_socket: _Optional[str] = ...) -> None: ...
+    build: _common_pb2.BuildInfo
+    leaving: bool
+    def __init__(self, worker_address: _Optional[str] = ..., worker_uid: _Optional[int] = ..., current_tasks: _Optional[_Iterable[int]] = ..., host_id: _Optional[str] = ..., process_id: _Optional[str] = ..., data_port: _Optional[int] = ..., data_socket: _Optional[str] = ..., build: _Optional[_Union[_common_pb2.BuildInfo, _Mapping]] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class WorkerHeartbeatResponse(_message.Message):
     __slots__ = ("new_tasks", "tasks_to_delete", "worker_index")
@@ -178,7 +184,7 @@ class WorkerUpdateResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GetSplitRequest(_message.Message):
-    __slots__ = ("iteration_id", "repetition", "task_id", "replica", "request_id", "finished_splits", "max_splits")
+    __slots__ = ("iteration_id", "repetition", "task_id", "replica", "request_id", "finished_splits", "max_splits", "report_only")
     ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
     REPETITION_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +192,7 @@ class GetSplitRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FINISHED_SPLITS_FIELD_NUMBER: _ClassVar[int]
     MAX_SPLITS_FIELD_NUMBER: _ClassVar[int]
+    REPORT_ONLY_FIELD_NUMBER: _ClassVar[int]
     iteration_id: int
     repetition: int
     task_id: int
@@ -193,7 +200,8 @@ class GetSplitRequest(_message.Message):
     request_id: int
     finished_splits: _containers.RepeatedCompositeFieldContainer[FinishedSplit]
     max_splits: int
-    def __init__(self, iteration_id: _Optional[int] = ..., repetition: _Optional[int] = ..., task_id: _Optional[int] = ..., replica: _Optional[int] = ..., request_id: _Optional[int] = ..., finished_splits: _Optional[_Iterable[_Union[FinishedSplit, _Mapping]]] = ..., max_splits: _Optional[int] = ...) -> None: ...
+    report_only: bool
+    def __init__(self, iteration_id: _Optional[int] = ..., repetition: _Optional[int] = ..., task_id: _Optional[int] = ..., replica: _Optional[int] = ..., request_id: _Optional[int] = ..., finished_splits: _Optional[_Iterable[_Union[FinishedSplit, _Mapping]]] = ..., max_splits: _Optional[int] = ..., report_only: _Optional[bool] = ...) -> None: ...
 
 class FinishedSplit(_message.Message):
     __slots__ = ("split", "elements")

@@ -3,9 +3,10 @@
 gRPC's Python stack caps big replies far below what a socket moves (each 16 MB reply is copied
 several times and cut into HTTP/2 frames under the GIL), so, like tf.data service's
 ``data_transfer_protocol``, a worker also serves elements on a socket of its own: a TCP listener
-on its host (an ephemeral port), and a Unix domain socket in a private temporary directory for
-readers on the same host. The dispatcher tells clients both (``TaskInfo.data_port`` and
-``data_socket``); a client falls back to gRPC ``StreamElements`` for a worker without them.
+on its host (``WorkerConfig.data_port``, by default a free port), and a Unix domain socket in a
+private temporary directory for readers on the same host. The dispatcher tells clients both
+(``TaskInfo.data_port`` and ``data_socket``); a client falls back to gRPC ``StreamElements``
+for a worker without them.
 
 The protocol both ends speak is in wire/data_port.py. The worker writes each payload straight
 from its buffer (a shared-memory segment or bytes) with ``sendmsg``, never joining them; the
@@ -58,10 +59,10 @@ STOP_GRACE_S = 0.5  # replies under way when the worker stops may finish (as gRP
 SEND_TIMEOUT_S = 60.0  # a reader that stops reading mid-reply loses its connection
 
 
-def _listen_tcp(host: str) -> socket.socket:
-    name = host.strip("[]")
+def _listen_tcp(host: str, port: int = 0) -> socket.socket:
+    name = host.strip("[]") or None  # "" binds every interface, as gRPC's "[::]" does
     family, kind, proto, _, address = socket.getaddrinfo(
-        name, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        name, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     listener = socket.socket(family, kind, proto)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -81,10 +82,11 @@ class DataPort:
     """
 
     def __init__(self, fetch: Callable[[worker_pb2.GetElementsRequest], tuple[Any, list]],
-                 ready: Callable[[], bool], host: str) -> None:
+                 ready: Callable[[], bool], host: str, port: int = 0) -> None:
         self._fetch = fetch
         self._ready = ready
         self._host = host
+        self._requested_port = port  # 0: a free one (WorkerConfig.data_port)
         self._token = (auth.token() or "").encode()
         self._lock = threading.Condition()
         self._listeners: list[socket.socket] = []
@@ -97,7 +99,11 @@ class DataPort:
 
     def start(self) -> None:
         auth.check_bind(self._host)
-        tcp = _listen_tcp(self._host)
+        try:
+            tcp = _listen_tcp(self._host, self._requested_port)
+        except OSError as error:
+            raise OSError(f"could not bind the data port {self._host}:{self._requested_port} "
+                          f"({error.strerror or error})") from error
         self.port = tcp.getsockname()[1]
         self._listeners.append(tcp)
         _remove_stale_dirs()

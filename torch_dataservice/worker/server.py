@@ -10,12 +10,12 @@ import time
 
 import grpc
 
-from torch_dataservice import auth
-from torch_dataservice.config import WorkerConfig
+from torch_dataservice import auth, version
+from torch_dataservice.config import PORT_PLACEHOLDER, WorkerConfig
 from torch_dataservice.errors import ServiceUnavailableError
 from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
-from torch_dataservice.rpc import channel_to, retry
-from torch_dataservice.serving import BackgroundLoop, start_grpc_server
+from torch_dataservice.rpc import WORKER_SERVICE_NAME, channel_to, is_version_mismatch, retry
+from torch_dataservice.serving import BackgroundLoop, Health, advertised_host, start_grpc_server
 from torch_dataservice.wire import inprocess
 from torch_dataservice.worker.data_port import DataPort
 from torch_dataservice.worker.service import WorkerService
@@ -25,6 +25,24 @@ from torch_dataservice.worker.tasks import TaskManager
 logger = logging.getLogger(__name__)
 
 REGISTRATION_WAIT_S = 10.0
+DRAIN_IDLE_S = 10.0  # a task nobody read for this long holds nothing a reader waits for
+LEAVE_TIMEOUT_S = 5.0
+# What the dispatcher answers to a worker it will never accept as it is: a bad or unlisted
+# address, another version, a wrong token. Retrying cannot help: the worker exits.
+REFUSAL_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                           grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+
+
+def worker_address(config: WorkerConfig, port: int) -> str:
+    """What the dispatcher tells clients to dial: `worker_address` with `%port%` filled in, or
+    this host's advertised name (never a wildcard, see serving.advertised_host) and `port`."""
+    if config.worker_address:
+        return config.worker_address.replace(PORT_PLACEHOLDER, str(port))
+    dispatcher_host = config.dispatcher_address.rpartition(":")[0]
+    host = advertised_host(config.host, dispatcher_host)
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
 
 
 class WorkerRefusedError(RuntimeError):
@@ -35,7 +53,9 @@ class WorkerServer:
     """A worker serving elements on `config.host:config.port` (0 = a free port).
 
     `start()` returns once the worker registered with the dispatcher, or after a few seconds
-    if the dispatcher is not reachable yet (registration goes on in the background).
+    if the dispatcher is not reachable yet (registration goes on in the background). Its
+    gRPC health service says SERVING once the dispatcher accepted it, NOT_SERVING while it
+    drains (`drain()`, what SIGTERM does in the CLI).
     """
 
     def __init__(self, config: WorkerConfig, start: bool = True) -> None:
@@ -46,6 +66,9 @@ class WorkerServer:
         self._address = ""
         self._registered = threading.Event()
         self._stopped = threading.Event()
+        self._draining = threading.Event()
+        self._drain_ended: set[int] = set()  # tasks ended by the drain, not by their data
+        self._health = Health(WORKER_SERVICE_NAME)
         self.refused: str | None = None
         self._tasks: TaskManager | None = None
         self._heartbeat: BackgroundLoop | None = None
@@ -63,6 +86,16 @@ class WorkerServer:
     @property
     def port(self) -> int:
         return self._port
+
+    @property
+    def data_port(self) -> int:
+        """The TCP port elements are served on besides gRPC (0 before start)."""
+        return self._data_port.port if self._data_port is not None else 0
+
+    @property
+    def registered(self) -> bool:
+        """The dispatcher accepted this worker's registration."""
+        return self._registered.is_set()
 
     @property
     def config(self) -> WorkerConfig:
@@ -85,13 +118,13 @@ class WorkerServer:
             self._tasks.start()  # spawn executors before gRPC starts its threads
             self._service = WorkerService(self._tasks, self._registered.is_set)
             self._server, self._port = start_grpc_server(
-                self._service.register, self._config.host, self._config.port)
-            self._address = self._config.worker_address or f"{self._config.host}:{self._port}"
+                self._register_services, self._config.host, self._config.port)
+            self._address = worker_address(self._config, self._port)
             inprocess.register(self._address, self._service)
             # Elements also travel over a plain socket: gRPC caps big payloads
             # (worker/data_port.py).
             self._data_port = DataPort(self._service.fetch, self._registered.is_set,
-                                       self._config.host)
+                                       self._config.host, self._config.data_port)
             self._data_port.start()
         except BaseException:  # undo a start that failed half-way: nothing stays behind
             self._release(grace_s=0)
@@ -107,11 +140,16 @@ class WorkerServer:
             except grpc.RpcError:
                 time.sleep(0.1)
         self._heartbeat.start()
-        logger.info("worker serving at %s", self._address)
+
+    def _register_services(self, server: grpc.Server) -> None:
+        assert self._service is not None
+        self._service.register(server)
+        self._health.register(server)
 
     def _release(self, grace_s: float) -> None:
         """Stop serving (replies under way get `grace_s`), then the data port and executors."""
         if self._server is not None:
+            self._health.shutdown()
             inprocess.unregister(self._address)
             self._server.stop(grace=grace_s).wait(5)
             self._server = None
@@ -130,16 +168,16 @@ class WorkerServer:
         request = dispatcher_pb2.WorkerHeartbeatRequest(
             worker_address=self._address, worker_uid=self._uid,
             current_tasks=self._tasks.task_ids(), host_id=inprocess.HOST_ID,
-            process_id=inprocess.process_id())
+            process_id=inprocess.process_id(), build=version.to_message(version.current()))
         data_port = self._data_port
         if data_port is not None:
             request.data_port, request.data_socket = data_port.port, data_port.socket_path
         try:
             response = self._dispatcher.WorkerHeartbeat(request, timeout=5)
         except grpc.RpcError as error:
-            if error.code() in (grpc.StatusCode.INVALID_ARGUMENT,
-                                grpc.StatusCode.FAILED_PRECONDITION):
-                self.refused = error.details()
+            if error.code() in REFUSAL_CODES:
+                kind = "version mismatch: " if is_version_mismatch(error) else ""
+                self.refused = f"{kind}{error.code().name}: {error.details()}"
                 logger.error("the dispatcher refused this worker: %s", self.refused)
                 self._stopped.set()
                 return
@@ -148,6 +186,10 @@ class WorkerServer:
             self._tasks.add(task)
         for task_id in response.tasks_to_delete:
             self._tasks.delete(task_id)
+        if not self._registered.is_set() and not self._draining.is_set():
+            self._health.set_serving(True)
+            logger.info("worker serving at %s (gRPC port %d, data port %d)", self._address,
+                        self._port, self.data_port)
         self._registered.set()
 
     def _dataset(self, dataset_id: str) -> common_pb2.DatasetDef:
@@ -178,6 +220,11 @@ class WorkerServer:
         for split_repetition, index, elements in finished:
             request.finished_splits.add(elements=elements).split.CopyFrom(
                 common_pb2.SplitKey(repetition=split_repetition, index=index))
+        if self._draining.is_set():  # no new split: the task ends once it served its stock
+            self._drain_ended.add(task.task_id)
+            if not finished:
+                return []
+            request.report_only = True  # let what it finished settle before it leaves
         response = retry(lambda: self._dispatcher.GetSplit(request, timeout=10),
                          description="GetSplit", deadline_s=self._deadline_s(),
                          stop=self._stopped)
@@ -189,6 +236,9 @@ class WorkerServer:
                 for r in (response, *response.following)]
 
     def _report_completed(self, task_id: int) -> None:
+        if task_id in self._drain_ended:
+            return  # ended early by the drain: the dispatcher requeues the rest when it leaves
+
         def report() -> None:
             request = dispatcher_pb2.WorkerUpdateRequest(
                 worker_address=self._address, completed_tasks=[task_id])
@@ -200,6 +250,41 @@ class WorkerServer:
                 logger.warning("could not report task %d complete: %s", task_id, error)
 
         threading.Thread(target=report, name="task-complete", daemon=True).start()
+
+    def drain(self, stop: threading.Event | None = None) -> None:
+        """Leave gracefully (SIGTERM in the CLI): take no new task or split, serve what this
+        worker holds for up to `drain_timeout_s`, then leave: the dispatcher requeues what was
+        not delivered as if this worker had died (exactly once under DYNAMIC), and stop.
+        `stop` set cuts the wait short."""
+        if self._server is None or self._tasks is None:
+            return
+        timeout_s = self._config.drain_timeout_s
+        self._draining.set()
+        self._health.set_serving(False)
+        self._tasks.stop_accepting()
+        logger.info("worker %s draining: serving what it holds for up to %.0fs", self._address,
+                    timeout_s)
+        deadline = time.monotonic() + timeout_s
+        held = self._tasks.serving(DRAIN_IDLE_S)
+        while held and time.monotonic() < deadline and not (stop and stop.is_set()):
+            time.sleep(0.1)
+            held = self._tasks.serving(DRAIN_IDLE_S)
+        if held:
+            logger.warning("drain ended with task(s) %s still serving: handed back", held)
+        if self._heartbeat is not None:
+            self._heartbeat.stop()  # a heartbeat after leaving would register it again
+        self._leave()
+        self.stop()
+
+    def _leave(self) -> None:
+        request = dispatcher_pb2.WorkerHeartbeatRequest(
+            worker_address=self._address, worker_uid=self._uid, leaving=True)
+        try:
+            self._dispatcher.WorkerHeartbeat(request, timeout=LEAVE_TIMEOUT_S)
+            logger.info("worker %s left the dispatcher", self._address)
+        except grpc.RpcError as error:
+            logger.warning("could not tell the dispatcher that this worker leaves (%s): it "
+                           "will declare it dead after worker_timeout_ms", error.code().name)
 
     def stop(self) -> None:
         if self._server is None:

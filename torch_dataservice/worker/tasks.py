@@ -98,6 +98,7 @@ class Task:
     # The datasets its replicas were started from: its own and those it depends on.
     datasets: list[str] = field(default_factory=list)
     completed: bool = False  # end_of_sequence handed to a client
+    last_fetch: float = 0.0  # time.monotonic() of the last fetch (a drain waits for readers)
     runner: RoundRobinRunner | CachingRunner | None = None  # see _runner
     cond: threading.Condition = field(default_factory=threading.Condition)
 
@@ -135,6 +136,7 @@ class TaskManager:
         self._executors = ExecutorPool(num_executors, self)
         self._split_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="get-split")
         self._split_prefetch = split_prefetch
+        self._accepting = True  # False while the worker drains: no new task
         self.cross_trainer_cache_bytes = 1 << 30  # WorkerConfig.cross_trainer_cache_bytes
 
     def start(self) -> None:
@@ -154,10 +156,25 @@ class TaskManager:
             return sorted(self._tasks)
 
     def add(self, definition: common_pb2.TaskDef) -> None:
-        """Idempotent: a task id already known is ignored."""
+        """Idempotent: a task id already known is ignored (so is any while draining)."""
         with self._lock:
-            if definition.task_id not in self._tasks and definition.task_id not in self._finished:
+            if (self._accepting and definition.task_id not in self._tasks
+                    and definition.task_id not in self._finished):
                 self._tasks[definition.task_id] = Task(definition)
+
+    def stop_accepting(self) -> None:
+        """The worker drains: tasks the dispatcher assigns from now on are not taken."""
+        with self._lock:
+            self._accepting = False
+
+    def serving(self, idle_s: float) -> list[int]:
+        """The tasks a drain waits for: started, not at their end, and read within `idle_s`
+        (a task nobody reads any more holds nothing a reader waits for)."""
+        now = time.monotonic()
+        with self._lock:
+            tasks = list(self._tasks.values())
+        return [t.task_id for t in tasks if t.started and not t.completed and t.error is None
+                and now - t.last_fetch < idle_s]
 
     def delete(self, task_id: int) -> None:
         with self._lock:
@@ -305,7 +322,8 @@ class TaskManager:
                 return [], True, None
             raise LookupError(task_id)
         self._ensure_started(task)
-        deadline = time.monotonic() + wait_s
+        task.last_fetch = time.monotonic()
+        deadline = task.last_fetch + wait_s
         taken: list[BufferedElement] = []
         with task.cond:
             while not task.buffer and task.error is None and not task.exhausted():
