@@ -16,6 +16,12 @@ def _check_port(port: int) -> None:
         raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
 
 
+def _check_metrics_port(port: int | None) -> None:
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int)
+                             or not 0 <= port <= 65535):
+        raise ValueError(f"metrics_port must be None or an int in [0, 65535], got {port!r}")
+
+
 def _check_protocol(protocol: str) -> None:
     if protocol != "grpc":
         raise ValueError(f"protocol must be 'grpc', got {protocol!r}")
@@ -46,9 +52,11 @@ class DispatcherConfig:
     worker_timeout_ms: int | None = None
     host: str = "localhost"
     journal_recovery: str = "fail"
+    metrics_port: int | None = None  # Prometheus /metrics: None off, 0 a free port
 
     def __post_init__(self) -> None:
         _check_port(self.port)
+        _check_metrics_port(self.metrics_port)
         _check_protocol(self.protocol)
         if self.journal_recovery not in JOURNAL_RECOVERY:
             raise ValueError(f"journal_recovery must be one of {JOURNAL_RECOVERY}, "
@@ -102,8 +110,10 @@ class WorkerConfig:
     # Most DYNAMIC splits a task keeps in stock ahead of need (worker/split_feed.py sizes the
     # stock to the GetSplit latency); 0 asks only when a process needs one.
     split_prefetch: int = 16
+    metrics_port: int | None = None  # Prometheus /metrics: None off, 0 a free port
 
     def __post_init__(self) -> None:
+        _check_metrics_port(self.metrics_port)
         if not isinstance(self.dispatcher_address, str) or not self.dispatcher_address:
             raise ValueError(
                 f"dispatcher_address must be HOST:PORT, got {self.dispatcher_address!r}")

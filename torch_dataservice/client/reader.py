@@ -45,8 +45,15 @@ import grpc
 
 from torch_dataservice.client.data_port import DataPortError, DataPortPool
 from torch_dataservice.errors import RemoteError, is_retryable
+from torch_dataservice.observability.client import ClientStats, current_sink
 from torch_dataservice.policies import STATIC_POLICIES, ShardingPolicy
-from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc, worker_pb2
+from torch_dataservice.proto import (
+    common_pb2,
+    dispatcher_pb2,
+    dispatcher_pb2_grpc,
+    status_pb2,
+    worker_pb2,
+)
 from torch_dataservice.rpc import WORKER_SERVICE_NAME, channel_to, retry, rpc_error_to_exception
 from torch_dataservice.wire import codec, frame, inprocess
 from torch_dataservice.wire.inprocess import LocalElement
@@ -126,6 +133,7 @@ class _Batch:
     # an element is acknowledged to the dispatcher when the consumer takes it.
     tags: deque = field(default_factory=deque)
     task_id: int = 0
+    nbytes: int = 0  # payload bytes received (stats)
 
 
 # _fetch_round's answer when the task's worker was lost (coordinated reads).
@@ -159,6 +167,7 @@ class IterationReader:
         trainer_id: str = "",
         consumer_index: int | None = None,
         at_least_latest: bool = False,
+        stats: ClientStats | None = None,
     ) -> None:
         self._dispatcher = dispatcher_pb2_grpc.DispatcherServiceStub(
             channel_to(dispatcher_address))
@@ -184,6 +193,12 @@ class IterationReader:
         self._skipped_tasks = False  # some tasks are not read here (LOCAL)
         self._trainer_id = trainer_id
         self._connect_timeout_s = connect_timeout_s
+        # Figures (observability/client.py): a DataLoader reading on this thread made its own
+        # stats the sink and counts batches and waiting itself; otherwise this reader does.
+        sink = current_sink()
+        self._stats = sink or stats or ClientStats()
+        self._counts_consumer = sink is None
+        self._received = [0, 0]  # this reader's elements and bytes (its iteration's share)
         try:
             job = retry(
                 lambda: self._dispatcher.GetOrCreateJob(
@@ -292,7 +307,7 @@ class IterationReader:
             unreported = self._take_reports()
             fenced = sorted(self._fenced)
         request = dispatcher_pb2.ClientHeartbeatRequest(client_id=self.client_id,
-                                                        fenced_tasks=fenced)
+                                                        fenced_tasks=fenced, load=self._load())
         if self._consumer_index is not None:
             request.consumer_index = self._consumer_index
             with self._lock:
@@ -359,6 +374,13 @@ class IterationReader:
             self._lock.notify_all()
         return True
 
+    def _load(self) -> status_pb2.ClientLoad:
+        """What the dispatcher's status and optimal-workers estimate need from this reader."""
+        stats = self._stats
+        return status_pb2.ClientLoad(rank=max(0, stats.rank), batches=stats.batches,
+                                     wait_seconds=stats.wait_seconds,
+                                     elements=self._received[0], bytes=self._received[1])
+
     def _wanted(self, info: common_pb2.TaskInfo) -> bool:
         if self._consumer_index is not None:
             return True  # every consumer must see the same task set
@@ -409,6 +431,11 @@ class IterationReader:
         """A fetch ended: queue what it brought, or give its slot back if it brought nothing."""
         with self._lock:
             self._in_flight -= 1
+            if batch is not None and batch.payloads:
+                self._received[0] += len(batch.payloads)
+                self._received[1] += batch.nbytes
+                self._stats.received(self._tasks[batch.task_id].info.worker_address,
+                                     len(batch.payloads), batch.nbytes)
             if batch is not None and (batch.payloads or batch.error):
                 self._results.put(batch)
             else:
@@ -479,7 +506,8 @@ class IterationReader:
         state.failures = 0
         kept, tags = self._keep_new(state.info.task_id, header, payloads)
         batch = _Batch(deque(kept), borrow=borrow, tags=deque(tags),
-                       task_id=state.info.task_id)
+                       task_id=state.info.task_id,
+                       nbytes=sum(inprocess.payload_nbytes(p) for p in kept))
         if tags:
             with self._received_lock:
                 if state.info.task_id in self._fenced:  # fenced while this fetch was out
@@ -674,37 +702,50 @@ class IterationReader:
         return self
 
     def __next__(self) -> Any:
-        while True:
-            batch = self._current
-            if batch is not None:
-                if batch.payloads:
-                    payload = batch.payloads.popleft()
-                    if batch.tags:
-                        self._acknowledge(batch)
-                    if not batch.payloads and batch.error is None:
+        blocked = None  # since when this call waits for a batch (stats: seconds waiting)
+        try:
+            while True:
+                batch = self._current
+                if batch is not None:
+                    if batch.payloads:
+                        payload = batch.payloads.popleft()
+                        if batch.tags:
+                            self._acknowledge(batch)
+                        if not batch.payloads and batch.error is None:
+                            self._current = None
+                            self._slots.release()
+                        if self._counts_consumer:
+                            self._stats.batches += 1
+                        if type(payload) is LocalElement:
+                            return payload.take()  # the object itself: no decode, no copy
+                        return codec.decode(payload, borrow=batch.borrow)
+                    if batch.error is not None:
                         self._current = None
                         self._slots.release()
-                    if type(payload) is LocalElement:
-                        return payload.take()  # the object itself: no decode, no copy
-                    return codec.decode(payload, borrow=batch.borrow)
-                if batch.error is not None:
-                    self._current = None
-                    self._slots.release()
-                    self.close()
-                    raise batch.error
-            try:
-                self._current = self._results.get(timeout=0.05)
-                continue
-            except queue.Empty:
-                pass
-            with self._lock:
-                if self._fatal is not None:
-                    fatal = self._fatal
-                    self.close()
-                    raise fatal
-                if self._done() and self._results.empty():
-                    self.close()
-                    raise StopIteration
+                        self.close()
+                        raise batch.error
+                if blocked is None:
+                    blocked = time.perf_counter()
+                try:
+                    self._current = self._results.get(timeout=0.05)
+                    continue
+                except queue.Empty:
+                    pass
+                with self._lock:
+                    if self._fatal is not None:
+                        fatal = self._fatal
+                        self.close()
+                        raise fatal
+                    if self._done() and self._results.empty():
+                        self.close()
+                        raise StopIteration
+        finally:
+            if blocked is not None and self._counts_consumer:
+                self._stats.wait_seconds += time.perf_counter() - blocked
+
+    def stats(self) -> dict[str, Any]:
+        """Batches, elements, bytes, seconds waiting, per worker (observability/client.py)."""
+        return self._stats.as_dict()
 
     def _acknowledge(self, batch: _Batch) -> None:
         """The consumer took the batch's next element: acknowledge it (exactly-once)."""
@@ -724,7 +765,8 @@ class IterationReader:
         self._data_ports.close()
         with self._received_lock:
             unreported = self._take_reports()
-        request = dispatcher_pb2.ReleaseIterationClientRequest(client_id=self.client_id)
+        request = dispatcher_pb2.ReleaseIterationClientRequest(client_id=self.client_id,
+                                                               load=self._load())
         for (repetition, index), offsets in unreported.items():
             request.received.add(split=common_pb2.SplitKey(repetition=repetition, index=index),
                                  offsets=offsets)

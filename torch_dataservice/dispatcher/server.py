@@ -7,7 +7,9 @@ import threading
 
 from torch_dataservice.config import DispatcherConfig
 from torch_dataservice.dispatcher.journal import Journal, NullJournal
+from torch_dataservice.dispatcher.observe import DispatcherObserver, collector
 from torch_dataservice.dispatcher.service import DispatcherService
+from torch_dataservice.observability.metrics import Collector, MetricsEndpoint
 from torch_dataservice.proto import dispatcher_pb2_grpc
 from torch_dataservice.serving import BackgroundLoop, start_grpc_server
 
@@ -35,6 +37,7 @@ class DispatchServer:
         self._stopped = threading.Event()
         self._service: DispatcherService | None = None
         self._liveness: BackgroundLoop | None = None
+        self._metrics: MetricsEndpoint | None = None
         if start:
             self.start()
 
@@ -54,11 +57,19 @@ class DispatchServer:
     def target(self) -> str:
         return f"grpc://{self.address}"
 
+    @property
+    def metrics_port(self) -> int | None:
+        """The port /metrics is served on (None: metrics are off)."""
+        return self._metrics.port if self._metrics is not None else None
+
     def start(self) -> None:
         if self._server is not None:
             return
         journal = _open_journal(self._config)
-        self._service = DispatcherService(self._config, journal)
+        observer = DispatcherObserver(with_metrics=self._config.metrics_port is not None)
+        if hasattr(journal, "on_fsync"):
+            journal.on_fsync = observer.fsync
+        self._service = DispatcherService(self._config, journal, observer=observer)
         self._server, self._port = start_grpc_server(
             lambda s: dispatcher_pb2_grpc.add_DispatcherServiceServicer_to_server(
                 self._service, s),
@@ -70,6 +81,12 @@ class DispatchServer:
         self._liveness = BackgroundLoop("dispatcher-liveness", interval,
                                         self._service.check_liveness)
         self._liveness.start()
+        if observer.registry is not None:
+            observer.registry.register(Collector(collector(observer,
+                                                           self._service.cluster_status)))
+            self._metrics = MetricsEndpoint(observer.registry, self._config.host,
+                                            self._config.metrics_port or 0)
+            logger.info("dispatcher metrics at %s", self._metrics.url)
         logger.info("dispatcher serving at %s", self.target)
 
     def stop(self) -> None:
@@ -77,6 +94,9 @@ class DispatchServer:
             return
         if self._liveness is not None:
             self._liveness.stop()
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
         self._server.stop(grace=0.5).wait(5)
         if self._service is not None:
             self._service.close()

@@ -11,7 +11,6 @@ replying. The exactly-once rules of DYNAMIC sharding are in dispatcher/splits.py
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -24,35 +23,22 @@ from torch_dataservice.dispatcher import (
     liveness,
     recovery,
     splits,
+    status,
     tasks,
     validation,
 )
 from torch_dataservice.dispatcher.journal import Journal
+from torch_dataservice.dispatcher.observe import DispatcherObserver, durable
 from torch_dataservice.dispatcher.soft import SoftState
 from torch_dataservice.dispatcher.state import DispatcherState, Iteration, Task
 from torch_dataservice.dispatcher.task_push import Push, TaskPusher
 from torch_dataservice.errors import NotReadyError
-from torch_dataservice.proto import (
-    dispatcher_pb2,
-    dispatcher_pb2_grpc,
-)
+from torch_dataservice.proto import dispatcher_pb2, dispatcher_pb2_grpc, status_pb2
 from torch_dataservice.rpc import servicer_method
 
 logger = logging.getLogger(__name__)
 
 Update = dispatcher_pb2.Update
-
-
-def _durable(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Sync the journal after the handler released the lock, before the reply leaves."""
-
-    @functools.wraps(method)
-    def wrapper(self: DispatcherService, request: Any, context: Any) -> Any:
-        response = method(self, request, context)
-        self._journal.sync()
-        return response
-
-    return wrapper
 
 
 class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
@@ -61,8 +47,10 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         config: DispatcherConfig,
         journal: Journal,
         clock: Callable[[], float] = time.monotonic,
+        observer: DispatcherObserver | None = None,
     ) -> None:
         self._config = config
+        self._observe = observer or DispatcherObserver()  # load figures: status and metrics
         self._journal = journal
         self._clock = clock
         self._num_workers = len(config.worker_addresses or ())  # static sharding's fixed list
@@ -100,7 +88,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
 
     # ------------------------------------------------------------------ datasets
     @servicer_method
-    @_durable
+    @durable
     def GetOrRegisterDataset(self, request, context):
         definition = request.dataset
         with self._lock:
@@ -119,7 +107,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             return dispatcher_pb2.GetOrRegisterDatasetResponse(dataset_id=dataset_id)
 
     @servicer_method
-    @_durable
+    @durable
     def GetDatasetDef(self, request, context):
         with self._lock:
             dataset = self._state.dataset(request.dataset_id)
@@ -127,7 +115,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
 
     # ------------------------------------------------------------------ jobs and iterations
     @servicer_method
-    @_durable
+    @durable
     def GetOrCreateJob(self, request, context):
         config = request.config
         with self._lock:
@@ -143,7 +131,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             return dispatcher_pb2.GetOrCreateJobResponse(job_id=job_id)
 
     @servicer_method
-    @_durable
+    @durable
     def GetOrCreateIteration(self, request, context):
         now = self._clock()
         with self._lock:
@@ -175,7 +163,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
 
     # ------------------------------------------------------------------ clients
     @servicer_method
-    @_durable
+    @durable
     def ClientHeartbeat(self, request, context):
         with self._lock:
             if request.client_id in self._soft.dropped_clients or (
@@ -194,6 +182,8 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
     def _record_delivered(self, iteration: Iteration, request: Any) -> None:
         """Record the offsets a ClientHeartbeat or ReleaseIterationClient request received."""
         self._soft.note_heartbeat(request.client_id, self._clock())
+        self._observe.client(request.client_id, iteration.iteration_id, request.load,
+                             self._clock())
         update = splits.delivered(iteration, request.received)
         if update is not None:
             keys = [(r.split.repetition, r.split.index) for r in update.record_delivered.splits]
@@ -202,7 +192,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             self._soft.note_settled(iteration, sizes)
 
     @servicer_method
-    @_durable
+    @durable
     def ReleaseIterationClient(self, request, context):
         with self._lock:
             if request.client_id in self._state.clients:
@@ -216,10 +206,11 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         iteration = self._state.iteration_of_client(client_id)
         self._apply(Update(release_client=dispatcher_pb2.ReleaseClient(client_id=client_id)))
         self._soft.forget_client(client_id, iteration, self._clock())
+        self._observe.release(client_id)
 
     # ------------------------------------------------------------------ workers
     @servicer_method
-    @_durable
+    @durable
     def WorkerHeartbeat(self, request, context):
         address = request.worker_address
         with self._lock:
@@ -239,6 +230,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                 logger.info("worker %s registered (index %d)", address, index)
                 self._apply(*tasks.for_new_worker(self._state, address))
             self._soft.worker_seen[address] = self._clock()
+            self._observe.worker(address, request.load, self._clock())
             new, delete = tasks.worker_task_changes(self._state, address, request.current_tasks,
                                                     self._num_workers)
             response = dispatcher_pb2.WorkerHeartbeatResponse(
@@ -255,6 +247,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         """
         requeued_in = {t.iteration_id for t in self._state.worker_tasks(address) if t.splits}
         self._apply(*liveness.remove_worker(self._state, address))
+        self._observe.forget_worker(address)
         now, created = self._clock(), []
         for iteration_id in sorted(requeued_in):
             self._soft.note_requeue(iteration_id, now)
@@ -284,7 +277,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         return created
 
     @servicer_method
-    @_durable
+    @durable
     def WorkerUpdate(self, request, context):
         created: list[Update] = []
         pushes: list[Push] = []
@@ -304,7 +297,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
 
     # ------------------------------------------------------------------ splits
     @servicer_method
-    @_durable
+    @durable
     def GetSplit(self, request, context):
         with self._lock:
             iteration = self._state.iteration(request.iteration_id)
@@ -344,7 +337,18 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             if end:
                 return dispatcher_pb2.GetSplitResponse(end_of_splits=True)
             granted.append((produce.repetition, produce.split_index))
+        self._observe.splits += len(granted)
         return splits.split_response(iteration, tuple(granted))  # what a retry gets too
+
+    # ------------------------------------------------------------------ status
+    @servicer_method
+    def GetClusterStatus(self, request, context):
+        return self.cluster_status()
+
+    def cluster_status(self) -> status_pb2.GetClusterStatusResponse:
+        with self._lock:
+            return status.cluster_status(self._state, self._soft, self._observe, self._clock(),
+                                         self._worker_timeout_s)
 
     # ------------------------------------------------------------------ liveness
     def check_liveness(self) -> None:

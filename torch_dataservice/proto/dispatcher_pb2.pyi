@@ -1,4 +1,5 @@
 from torch_dataservice.proto import common_pb2 as _common_pb2
+from torch_dataservice.proto import status_pb2 as _status_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -68,7 +69,7 @@ class GetOrCreateIterationResponse(_message.Message):
     def __init__(self, iteration_id: _Optional[int] = ..., client_id: _Optional[int] = ..., repetition: _Optional[int] = ..., created: _Optional[bool] = ...) -> None: ...
 
 class ClientHeartbeatRequest(_message.Message):
-    __slots__ = ("client_id", "current_round", "received", "blocked_round", "consumer_index", "removals_seen", "consumer_done", "fenced_tasks")
+    __slots__ = ("client_id", "current_round", "received", "blocked_round", "consumer_index", "removals_seen", "consumer_done", "fenced_tasks", "load")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +78,7 @@ class ClientHeartbeatRequest(_message.Message):
     REMOVALS_SEEN_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_DONE_FIELD_NUMBER: _ClassVar[int]
     FENCED_TASKS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     client_id: int
     current_round: int
     received: _containers.RepeatedCompositeFieldContainer[ReceivedSplit]
@@ -85,7 +87,8 @@ class ClientHeartbeatRequest(_message.Message):
     removals_seen: int
     consumer_done: bool
     fenced_tasks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, client_id: _Optional[int] = ..., current_round: _Optional[int] = ..., received: _Optional[_Iterable[_Union[ReceivedSplit, _Mapping]]] = ..., blocked_round: _Optional[int] = ..., consumer_index: _Optional[int] = ..., removals_seen: _Optional[int] = ..., consumer_done: _Optional[bool] = ..., fenced_tasks: _Optional[_Iterable[int]] = ...) -> None: ...
+    load: _status_pb2.ClientLoad
+    def __init__(self, client_id: _Optional[int] = ..., current_round: _Optional[int] = ..., received: _Optional[_Iterable[_Union[ReceivedSplit, _Mapping]]] = ..., blocked_round: _Optional[int] = ..., consumer_index: _Optional[int] = ..., removals_seen: _Optional[int] = ..., consumer_done: _Optional[bool] = ..., fenced_tasks: _Optional[_Iterable[int]] = ..., load: _Optional[_Union[_status_pb2.ClientLoad, _Mapping]] = ...) -> None: ...
 
 class ReceivedSplit(_message.Message):
     __slots__ = ("task_id", "split", "offsets")
@@ -122,19 +125,21 @@ class SettledSplit(_message.Message):
     def __init__(self, split: _Optional[_Union[_common_pb2.SplitKey, _Mapping]] = ..., num_elements: _Optional[int] = ...) -> None: ...
 
 class ReleaseIterationClientRequest(_message.Message):
-    __slots__ = ("client_id", "received")
+    __slots__ = ("client_id", "received", "load")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     client_id: int
     received: _containers.RepeatedCompositeFieldContainer[ReceivedSplit]
-    def __init__(self, client_id: _Optional[int] = ..., received: _Optional[_Iterable[_Union[ReceivedSplit, _Mapping]]] = ...) -> None: ...
+    load: _status_pb2.ClientLoad
+    def __init__(self, client_id: _Optional[int] = ..., received: _Optional[_Iterable[_Union[ReceivedSplit, _Mapping]]] = ..., load: _Optional[_Union[_status_pb2.ClientLoad, _Mapping]] = ...) -> None: ...
 
 class ReleaseIterationClientResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerHeartbeatRequest(_message.Message):
-    __slots__ = ("worker_address", "worker_uid", "current_tasks", "host_id", "process_id", "data_port", "data_socket")
+    __slots__ = ("worker_address", "worker_uid", "current_tasks", "host_id", "process_id", "data_port", "data_socket", "load")
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WORKER_UID_FIELD_NUMBER: _ClassVar[int]
     CURRENT_TASKS_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +147,7 @@ class WorkerHeartbeatRequest(_message.Message):
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     DATA_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     worker_address: str
     worker_uid: int
     current_tasks: _containers.RepeatedScalarFieldContainer[int]
@@ -149,7 +155,8 @@ class WorkerHeartbeatRequest(_message.Message):
     process_id: str
     data_port: int
     data_socket: str
-    def __init__(self, worker_address: _Optional[str] = ..., worker_uid: _Optional[int] = ..., current_tasks: _Optional[_Iterable[int]] = ..., host_id: _Optional[str] = ..., process_id: _Optional[str] = ..., data_port: _Optional[int] = ..., data_socket: _Optional[str] = ...) -> None: ...
+    load: _status_pb2.WorkerLoad
+    def __init__(self, worker_address: _Optional[str] = ..., worker_uid: _Optional[int] = ..., current_tasks: _Optional[_Iterable[int]] = ..., host_id: _Optional[str] = ..., process_id: _Optional[str] = ..., data_port: _Optional[int] = ..., data_socket: _Optional[str] = ..., load: _Optional[_Union[_status_pb2.WorkerLoad, _Mapping]] = ...) -> None: ...
 
 class WorkerHeartbeatResponse(_message.Message):
     __slots__ = ("new_tasks", "tasks_to_delete", "worker_index")

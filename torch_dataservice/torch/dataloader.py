@@ -40,6 +40,7 @@ import logging
 import math
 import queue
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -59,11 +60,13 @@ from torch_dataservice.client.api import (
     register_definition,
     shared_object_def,
 )
+from torch_dataservice.observability.client import ClientStats, feeding
 from torch_dataservice.pipeline import Pipeline
 from torch_dataservice.pipeline.shared_objects import SharedObjectRef
 from torch_dataservice.torch import embedded, sampling
 from torch_dataservice.torch.distributed import RankInfo, broadcast_token, rank_info, run_seed
 from torch_dataservice.torch.fetch import FetchBatch, SharedFetchBatch
+from torch_dataservice.torch.loader_stats import even_batches_loss
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +186,13 @@ class DataLoader(torch.utils.data.DataLoader):
         self._tds_next_epoch = 0
         self._tds_pending: dict[str, Any] | None = None  # a restored state, until iter()
         self._tds_progress: _Progress | None = None
+        self._tds_stats = ClientStats(rank=self._tds_ranks.rank)  # see stats()
+
+    def stats(self) -> dict[str, Any]:
+        """What this loader took and waited for, over its life: batches, elements and bytes
+        received, seconds `__next__` blocked, per worker; and per epoch the samples (or, with
+        a custom sampler, batches) `even_batches` dropped or padded."""
+        return self._tds_stats.as_dict()
 
     # ------------------------------------------------------------------------ epochs
 
@@ -270,6 +280,8 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __iter__(self) -> _LoaderIterator:
         epoch, skip, rng = self._tds_begin_epoch()
+        stats = self._tds_stats
+        stats.samples_dropped, stats.batches_dropped = even_batches_loss(self)
         self._tds_passes += 1  # in job names: an epoch read again is a new job
         if self._tds_iterable:
             return self._tds_iter_pipeline(epoch, skip)
@@ -387,8 +399,12 @@ class DataLoader(torch.utils.data.DataLoader):
                 warnings.warn("'pin_memory' argument is set as true but no accelerator is "
                               "found, then device pinned memory won't be used.", stacklevel=3)
         depth = max(2, self.prefetch_factor or 2)
-        return _LoaderIterator(open_source, progress, reorder_from, positioned, skip_first,
-                               pin_device, float(self.timeout), depth)
+        stats = self._tds_stats
+        iterator = _LoaderIterator(lambda: feeding(stats, open_source()), progress,
+                                   reorder_from, positioned, skip_first, pin_device,
+                                   float(self.timeout), depth)
+        iterator.stats = stats
+        return iterator
 
     # ------------------------------------------------------------------------ resume
 
@@ -483,6 +499,7 @@ class _LoaderIterator:
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._done = False
+        self.stats = ClientStats()  # replaced by the loader's own (DataLoader.stats())
         # The thread holds no reference to this object, so an abandoned iterator is collected
         # and its __del__ stops the thread.
         self._thread = threading.Thread(
@@ -512,11 +529,13 @@ class _LoaderIterator:
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
+        blocked = time.perf_counter()
         try:
             item = self._get()
         except BaseException:
             self._finish(failed=True)
             raise
+        self.stats.wait_seconds += time.perf_counter() - blocked  # DataLoader.stats()
         if isinstance(item, _End):
             self._finish(failed=False)
             raise StopIteration
@@ -524,6 +543,7 @@ class _LoaderIterator:
             self._finish(failed=True)
             raise item.error
         self._progress.yielded += 1
+        self.stats.batches += 1
         return item
 
     def _finish(self, failed: bool) -> None:
