@@ -15,6 +15,9 @@ from collections.abc import Sequence
 from torch_dataservice.config import DispatcherConfig, WorkerConfig
 from torch_dataservice.errors import JournalCorruptError
 
+METRICS_HELP = ("serve Prometheus metrics at http://HOST:PORT/metrics; 0 picks a free port "
+                "(default: off)")
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -44,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--job-gc-timeout-ms", type=int, default=None,
                    help="an iteration without clients this long is collected (default: 300000)")
 
+    d.add_argument("--metrics-port", type=int, default=None, help=METRICS_HELP)
+
     w = commands.add_parser("worker", help="run a worker (runs pipelines, serves elements)")
     w.add_argument("--dispatcher", required=True, help="dispatcher address HOST:PORT")
     w.add_argument("--port", type=int, default=0,
@@ -60,6 +65,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="bytes of the cross-trainer cache window per job (default: 1 GiB)")
     w.add_argument("--split-prefetch", type=int, default=16,
                    help="most DYNAMIC splits a task keeps in stock ahead of need (default: 16)")
+    w.add_argument("--metrics-port", type=int, default=None, help=METRICS_HELP)
+
+    s = commands.add_parser("status", help="show the workers, iterations and clients of a "
+                                           "running dispatcher")
+    s.add_argument("--dispatcher", required=True, help="dispatcher address HOST:PORT")
+    s.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    s.add_argument("--watch", type=float, default=None, metavar="SECONDS",
+                   help="print again every SECONDS until interrupted")
     return parser
 
 
@@ -81,6 +94,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
     try:
+        if args.command == "status":
+            from torch_dataservice.observability.status_text import show_status
+
+            signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+            signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
+            return show_status(args.dispatcher, args.json, args.watch, sys.stdout, stop)
         if args.command == "dispatcher":
             from torch_dataservice.dispatcher.server import DispatchServer
 
@@ -90,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 fault_tolerant_mode=args.fault_tolerant, worker_addresses=addresses,
                 journal_recovery=args.journal_recovery,
                 worker_timeout_ms=args.worker_timeout_ms,
-                job_gc_timeout_ms=args.job_gc_timeout_ms))
+                job_gc_timeout_ms=args.job_gc_timeout_ms, metrics_port=args.metrics_port))
             print(f"dispatcher serving at {server.target}", flush=True)
             _serve(server, stop)
             return 0
@@ -101,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             worker_address=args.worker_address, num_processes=args.processes,
             heartbeat_interval_ms=args.heartbeat_interval_ms,
             cross_trainer_cache_bytes=args.cross_trainer_cache_bytes,
-            split_prefetch=args.split_prefetch))
+            split_prefetch=args.split_prefetch, metrics_port=args.metrics_port))
         print(f"worker serving at {worker.address}", flush=True)
         _serve(worker, stop)
         if worker.refused is not None:
