@@ -6,7 +6,6 @@ Both run until SIGTERM or SIGINT, then stop cleanly (exit code 0, port released)
 from __future__ import annotations
 
 import argparse
-import logging
 import signal
 import sys
 import threading
@@ -25,6 +24,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Run a torch_dataservice dispatcher or worker until SIGTERM/SIGINT.")
     parser.add_argument("--log-level", default="INFO",
                         help="logging level: DEBUG, INFO, WARNING, ERROR (default: INFO)")
+    parser.add_argument("--log-format", choices=("text", "json"), default=None,
+                        help="text lines, or one JSON object per line (default: text, or "
+                             "TORCH_DATASERVICE_LOG_FORMAT)")
     commands = parser.add_subparsers(dest="command", required=True)
 
     d = commands.add_parser("dispatcher", help="run the dispatcher (control plane)")
@@ -90,8 +92,9 @@ def _serve(server, stop: threading.Event) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from torch_dataservice.observability.logs import configure
+
+    configure(args.log_level, args.log_format)
     stop = threading.Event()
     try:
         if args.command == "status":

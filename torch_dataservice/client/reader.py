@@ -46,6 +46,7 @@ import grpc
 from torch_dataservice.client.data_port import DataPortError, DataPortPool
 from torch_dataservice.errors import RemoteError, is_retryable
 from torch_dataservice.observability.client import ClientStats, current_sink
+from torch_dataservice.observability.waiting import Waiting, WaitReport
 from torch_dataservice.policies import STATIC_POLICIES, ShardingPolicy
 from torch_dataservice.proto import (
     common_pb2,
@@ -199,6 +200,10 @@ class IterationReader:
         self._stats = sink or stats or ClientStats()
         self._counts_consumer = sink is None
         self._received = [0, 0]  # this reader's elements and bytes (its iteration's share)
+        # Saying what a long wait waits for (observability/waiting.py).
+        self._address, self._wait_report = dispatcher_address, WaitReport()
+        self._blocked_since: float | None = None  # the consumer's __next__ is blocked
+        self._dispatcher_down_since: float | None = None
         try:
             job = retry(
                 lambda: self._dispatcher.GetOrCreateJob(
@@ -321,6 +326,7 @@ class IterationReader:
         try:
             response = self._dispatcher.ClientHeartbeat(request, timeout=5)
         except grpc.RpcError as error:
+            self._dispatcher_down_since = self._dispatcher_down_since or time.monotonic()
             with self._received_lock:  # report them with the next heartbeat
                 for key, offsets in unreported.items():
                     self._unreported.setdefault(key, []).extend(offsets)
@@ -330,6 +336,7 @@ class IterationReader:
                 self._fatal = rpc_error_to_exception(error, "client heartbeat")
                 self._lock.notify_all()
             return False
+        self._dispatcher_down_since = None
         if response.lost_task_ids and self._exactly_once:
             self._fence(response.lost_task_ids)
         if response.settled:
@@ -391,6 +398,32 @@ class IterationReader:
     def _heartbeat_loop(self) -> None:
         while not self._closed.wait(HEARTBEAT_INTERVAL_S):
             self._heartbeat()
+            blocked, now = self._blocked_since, time.monotonic()
+            if self._wait_report.due(blocked, now) and blocked is not None:
+                self._wait_report.report(self._waiting(), now - blocked, not self._received[0])
+
+    def _waiting(self) -> Waiting:
+        """What this reader is waiting on, for the log line of a long wait."""
+        now = time.monotonic()
+        down = self._dispatcher_down_since
+        waiting = Waiting(self._address, self.iteration_id,
+                          dispatcher_down_s=now - down if down is not None else 0.0)
+        with self._lock:
+            states = [s for s in self._tasks.values() if not s.ended]
+        for state in states:
+            target = self._data_target(state.info) or ("grpc",)
+            via = ":".join(str(part) for part in target)
+            (waiting.unreachable if state.failures else waiting.serving).append(
+                f"worker {state.info.worker_address}" + (f" (via {via})" if state.failures
+                                                         else ""))
+        if not states and not down:
+            from torch_dataservice.observability.status_text import fetch_status
+
+            try:
+                waiting.workers_registered = len(fetch_status(self._address, 2.0).workers)
+            except grpc.RpcError:
+                pass
+        return waiting
 
     # ------------------------------------------------------------------ fetching
     def _pick_task(self) -> _TaskState | None:
@@ -726,6 +759,7 @@ class IterationReader:
                         raise batch.error
                 if blocked is None:
                     blocked = time.perf_counter()
+                    self._blocked_since = time.monotonic()  # a long wait is reported
                 try:
                     self._current = self._results.get(timeout=0.05)
                     continue
@@ -740,6 +774,7 @@ class IterationReader:
                         self.close()
                         raise StopIteration
         finally:
+            self._blocked_since = None
             if blocked is not None and self._counts_consumer:
                 self._stats.wait_seconds += time.perf_counter() - blocked
 

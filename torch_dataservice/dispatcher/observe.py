@@ -9,6 +9,7 @@ dispatcher's Prometheus collector re-exposes. Histograms exist only when metrics
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from typing import Any
 from torch_dataservice.observability import metrics
 from torch_dataservice.observability.rates import RateWindow
 from torch_dataservice.proto import status_pb2
+
+logger = logging.getLogger("torch_dataservice.dispatcher.service")
 
 RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 FSYNC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
@@ -45,6 +48,7 @@ class DispatcherObserver:
         self.clients: dict[int, ClientSample] = {}
         self.released_elements: dict[int, int] = {}  # iteration -> elements of gone clients
         self.splits = 0  # handed out by GetSplit
+        self.finished: set[int] = set()  # iterations whose end was logged
         self.registry: Any = None
         self._rpc_seconds: Any = None
         self._fsync_seconds: Any = None
@@ -85,12 +89,34 @@ class DispatcherObserver:
             sample = self.clients[client_id] = ClientSample(iteration_id, load.rank)
         sample.window.add(now, (load.batches, load.wait_seconds, load.elements, load.bytes))
 
-    def release(self, client_id: int) -> None:
+    def release(self, client_id: int, iteration_id: int, why: str) -> None:
         """The client left: what it received stays counted in its iteration."""
         sample = self.clients.pop(client_id, None)
-        if sample is not None and sample.window.latest:
-            self.released_elements[sample.iteration_id] = self.released_elements.get(
-                sample.iteration_id, 0) + int(sample.window.latest[2])
+        received = int(sample.window.latest[2]) if sample and sample.window.latest else 0
+        self.released_elements[iteration_id] = self.released_elements.get(
+            iteration_id, 0) + received
+        logger.info("client %d of iteration %d %s (%d elements received)", client_id,
+                    iteration_id, why, received)
+
+    def joined(self, client_id: int, iteration_id: int, job: Any, created: bool) -> None:
+        if created:
+            config = job.config
+            logger.info("iteration %d of job %d created (dataset %s, policy %d%s%s)",
+                        iteration_id, job.job_id, config.dataset_id, config.sharding_policy,
+                        f", name {job.name!r}" if job.name else "",
+                        f", {config.num_consumers} consumers"
+                        if config.HasField("num_consumers") else "")
+        logger.info("client %d joined iteration %d", client_id, iteration_id)
+
+    def task_finished(self, state: Any, iteration: Any) -> None:
+        """Log an iteration's end once, when its last task finished."""
+        if iteration.iteration_id not in self.finished and state.is_finished(iteration):
+            self.finished.add(iteration.iteration_id)
+            logger.info("iteration %d finished: %d element(s) delivered so far",
+                        iteration.iteration_id, self.released_elements.get(
+                            iteration.iteration_id, 0) + sum(
+                            int(s.window.latest[2]) for s in self.clients.values()
+                            if s.iteration_id == iteration.iteration_id and s.window.latest))
 
 
 def durable(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -152,6 +152,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             self._apply(*created, Update(acquire_client=dispatcher_pb2.AcquireClient(
                 client_id=client_id, iteration_id=iteration_id)))
             self._soft.client_seen[client_id] = now
+            self._observe.joined(client_id, iteration_id, job, new)
             self._soft.iteration_idle_since.pop(iteration_id, None)
             if self._state.iterations[iteration_id].requeued:  # carried over from a collected one
                 self._soft.note_requeue(iteration_id, now, keep=True)
@@ -202,11 +203,11 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                 self._release_client(request.client_id)
         return dispatcher_pb2.ReleaseIterationClientResponse()
 
-    def _release_client(self, client_id: int) -> None:
+    def _release_client(self, client_id: int, why: str = "left") -> None:
         iteration = self._state.iteration_of_client(client_id)
         self._apply(Update(release_client=dispatcher_pb2.ReleaseClient(client_id=client_id)))
         self._soft.forget_client(client_id, iteration, self._clock())
-        self._observe.release(client_id)
+        self._observe.release(client_id, iteration.iteration_id, why)
 
     # ------------------------------------------------------------------ workers
     @servicer_method
@@ -227,7 +228,8 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                     worker_address=address, worker_uid=request.worker_uid, worker_index=index,
                     host_id=request.host_id, process_id=request.process_id,
                     data_port=request.data_port, data_socket=request.data_socket)))
-                logger.info("worker %s registered (index %d)", address, index)
+                logger.info("worker %s joined (index %d, %d executor process(es))", address,
+                            index, request.load.processes)
                 self._apply(*tasks.for_new_worker(self._state, address))
             self._soft.worker_seen[address] = self._clock()
             self._observe.worker(address, request.load, self._clock())
@@ -289,6 +291,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                     # A split requeued after this task's replicas took their last split waits
                     # for this task to end; then nobody would ask for it.
                     iteration = self._state.iteration(task.iteration_id)
+                    self._observe.task_finished(self._state, iteration)
                     created += self._ensure_requeue_takers(iteration)
                     pushes += self._requeue_unacknowledged(iteration)
             pushes += self._pushes(created)
@@ -373,9 +376,8 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                 pushes += self._requeue_unacknowledged(iteration)
             for client_id in liveness.silent_clients(self._state, self._soft, now,
                                                      self._gc_timeout_s):
-                logger.info("client %d silent for %.1fs: released", client_id,
-                            now - self._soft.client_seen[client_id])
-                self._release_client(client_id)
+                self._release_client(client_id, f"silent for "
+                                     f"{now - self._soft.client_seen[client_id]:.1f}s: released")
             for iteration in liveness.idle_iterations(self._state, self._soft, now,
                                                       self._gc_timeout_s):
                 logger.info("iteration %d has had no clients for %.1fs: collected",

@@ -172,6 +172,9 @@ class WorkerServer:
             self._tasks.add(task)
         for task_id in response.tasks_to_delete:
             self._tasks.delete(task_id)
+        if not self._registered.is_set():
+            logger.info("worker %s registered with the dispatcher at %s (index %d)",
+                        self._address, self._config.dispatcher_address, response.worker_index)
         self._registered.set()
 
     def _dataset(self, dataset_id: str) -> common_pb2.DatasetDef:
@@ -229,6 +232,7 @@ class WorkerServer:
         if self._server is None:
             return
         self._stopped.set()
+        logger.info("worker %s stopping", self._address)
         if self._heartbeat is not None:
             self._heartbeat.stop()
         self._release(grace_s=0.5)
