@@ -204,6 +204,7 @@ class IterationReader:
         self._address, self._wait_report = dispatcher_address, WaitReport()
         self._blocked_since: float | None = None  # the consumer's __next__ is blocked
         self._dispatcher_down_since: float | None = None
+        self._reported_wait = 0.0
         try:
             job = retry(
                 lambda: self._dispatcher.GetOrCreateJob(
@@ -383,9 +384,12 @@ class IterationReader:
 
     def _load(self) -> status_pb2.ClientLoad:
         """What the dispatcher's status and optimal-workers estimate need from this reader."""
-        stats = self._stats
+        stats, blocked = self._stats, self._blocked_since
+        waiting = time.monotonic() - blocked if blocked and self._counts_consumer else 0.0
+        # The wait under way counts too; a total never goes down (a restart would, to 0).
+        self._reported_wait = max(self._reported_wait, stats.wait_seconds + waiting)
         return status_pb2.ClientLoad(rank=max(0, stats.rank), batches=stats.batches,
-                                     wait_seconds=stats.wait_seconds,
+                                     wait_seconds=self._reported_wait,
                                      elements=self._received[0], bytes=self._received[1])
 
     def _wanted(self, info: common_pb2.TaskInfo) -> bool:

@@ -30,6 +30,8 @@ from torch_dataservice.observability.metrics import build_versions
 from torch_dataservice.policies import ShardingPolicy
 from torch_dataservice.proto import status_pb2
 
+MIN_WORKING_SHARE = 0.01
+
 
 def cluster_status(state: DispatcherState, soft: SoftState, observed: DispatcherObserver,
                    now: float, worker_timeout_s: float) -> status_pb2.GetClusterStatusResponse:
@@ -88,7 +90,8 @@ def _fill_client(client: status_pb2.ClientStatus, sample: ClientSample) -> None:
 def demand_rate(sample: ClientSample) -> float:
     """Batches/s the consumer would take if it never waited (0: unknown)."""
     span, (batches, wait, _, _) = sample.window.delta()
-    working = span - wait
+    # A consumer that only waited would take far more: its working time is bounded below.
+    working = max(span - wait, MIN_WORKING_SHARE * span)
     return batches / working if batches > 0 and working > 0 else 0.0
 
 

@@ -1,10 +1,12 @@
 """Where a worker's time goes: split wait, compute, encode and send, per executor process.
 
 Measured inside the executor processes, where the work happens (the front only routes
-bytes), with plain floats that one thread each writes: a replica thread adds its split,
-compute, encode and send times to its own `ReplicaClock`, the executor's sender thread adds
-its write time to its own. No lock and no system call per element (time.perf_counter reads
-the vDSO clock). The sender ships the executor's running totals with the messages it writes
+bytes), with plain floats that one thread each writes: a replica thread sums its compute and
+encode times in local variables (two clock reads per element) and publishes them to its own
+`ReplicaClock` a few times a second; split waits, credit waits and big payloads' sends are
+timed where they happen (not per small element); the executor's sender thread adds its write
+time to its own float. No lock and no system call per element (time.perf_counter reads the
+vDSO clock). The sender ships the executor's running totals with the messages it writes
 anyway, at most every `SHIP_INTERVAL_S` and with every task end, and the front keeps the
 latest totals per executor slot (`StageTotals`): a restarted executor starts from zero, so
 the totals of a lost one are folded into `retired` and the worker's counters never go down.
@@ -16,8 +18,11 @@ import threading
 
 STAGES = ("split", "compute", "encode", "send")
 SHIP_INTERVAL_S = 0.5
+PUBLISH_S = 0.2  # how often a replica publishes its local sums
 
-# Indexes into a ReplicaClock's `times` (send is gross of credit waits: see `totals`).
+# Indexes into a ReplicaClock's `times`. Gross compute is the time between two elements'
+# encodings, less encoding: split waits, credit waits and big sends fall in it and are
+# subtracted (see `stages`).
 SPLIT, GROSS_COMPUTE, ENCODE, SEND, BLOCKED = range(5)
 
 
@@ -30,12 +35,19 @@ class ReplicaClock:
         self.times = [0.0] * 5
         self.elements = 0
 
-    def stages(self) -> tuple[float, float, float, float]:
-        """(split, compute, encode, send): compute excludes the split waits made inside the
-        pipeline's iteration; send excludes waiting for credits (back-pressure, not work)."""
+    def publish(self, compute: float, encode: float, elements: int) -> None:
+        """Add a replica's local sums (its own thread only)."""
         t = self.times
-        return (t[SPLIT], max(0.0, t[GROSS_COMPUTE] - t[SPLIT]), t[ENCODE],
-                max(0.0, t[SEND] - t[BLOCKED]))
+        t[GROSS_COMPUTE] += compute
+        t[ENCODE] += encode
+        self.elements += elements
+
+    def stages(self) -> tuple[float, float, float, float]:
+        """(split, compute, encode, send): compute excludes split waits, credit waits
+        (back-pressure, not work) and big payloads' sends."""
+        t = self.times
+        return (t[SPLIT], max(0.0, t[GROSS_COMPUTE] - t[SPLIT] - t[BLOCKED] - t[SEND]),
+                t[ENCODE], t[SEND])
 
 
 class ExecutorClocks:

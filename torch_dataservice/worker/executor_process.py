@@ -179,9 +179,12 @@ class _Replica:
             last_split = None
             offset = 0
             elements: Iterator[Any] = self._pipeline.iterate(ctx)
-            clock, times, now = self.clock, self.clock.times, time.perf_counter
-            sent = now()
+            clock, now = self.clock, time.perf_counter  # stage times: observability/stages.py
+            compute = encode = count = 0
+            published = encoded = now()
             for element in elements:
+                computed = now()
+                compute += computed - encoded  # credit waits and big sends: subtracted later
                 # The source sets ctx.current_split right after get_split returns a split (on
                 # this thread), so the split taken last is the one it describes.
                 split = None if ctx.current_split is None else self._splits_taken
@@ -201,21 +204,24 @@ class _Replica:
                     self._take_credit(kept.size)
                     self._executor.send_local(self.key, wire_split, offset, kept)
                     del kept
-                    clock.elements += 1
+                    count += 1
                     continue
-                computed = now()
                 parts = codec.encode(element, self._compression)
                 encoded = now()
+                encode += encoded - computed
                 size = codec.payload_size(parts)
                 self._take_credit(size)
+                sending = now() if size > INLINE_PAYLOAD_BYTES else 0.0  # a copy or a wait
                 self._executor.send_element(self.key, wire_split, offset, parts, size)
-                # Stage times in three clock reads and no lock (observability/stages.py).
-                times[stages.GROSS_COMPUTE] += computed - sent
-                times[stages.ENCODE] += encoded - computed
-                sent = now()
-                times[stages.SEND] += sent - encoded
-                clock.elements += 1
-            times[stages.GROSS_COMPUTE] += now() - sent  # the last pull, which found the end
+                if sending:
+                    clock.times[stages.SEND] += now() - sending
+                count += 1
+                if encoded - published > stages.PUBLISH_S:
+                    published = encoded
+                    clock.publish(compute, encode, count)
+                    compute = encode = count = 0
+            compute += now() - encoded  # the last pull, which found the end
+            clock.publish(compute, encode, count)
             self._executor.send(("end", self.key))
         except _Stopped:
             pass
