@@ -35,6 +35,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -47,6 +48,7 @@ if ROOT not in sys.path:  # run as a script from a checkout without installing
 MB = 10**6
 MAP_MS = 5.0  # target cost of one element of the CPU-bound map
 TARGET_WORKERS = "AUTO"  # --target-workers
+METRICS = False  # --metrics: servers expose /metrics and a thread scrapes them every 0.5 s
 
 
 @dataclass
@@ -195,10 +197,24 @@ class Cluster:
     def __init__(self, processes: int) -> None:
         self._procs: list[subprocess.Popen] = []
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        ports = [_free_port(), _free_port()] if METRICS else []
+        metrics = [["--metrics-port", str(p)] for p in ports] or [[], []]
         self.address = self._spawn(
-            ["dispatcher", "--port", "0"], "dispatcher serving at grpc://", env)
-        self._spawn(["worker", "--dispatcher", self.address, "--processes", str(processes)],
-                    "worker serving at ", env)
+            ["dispatcher", "--port", "0", *metrics[0]], "dispatcher serving at grpc://", env)
+        self._spawn(["worker", "--dispatcher", self.address, "--processes", str(processes),
+                     *metrics[1]], "worker serving at ", env)
+        self._scraping = threading.Event()
+        if ports:
+            threading.Thread(target=self._scrape, args=(ports,), daemon=True).start()
+
+    def _scrape(self, ports: list[int]) -> None:
+        """What a Prometheus server would do, only more often."""
+        import urllib.request
+
+        while not self._scraping.wait(0.5):
+            for port in ports:
+                with contextlib.suppress(OSError):
+                    urllib.request.urlopen(f"http://localhost:{port}/metrics", timeout=2).read()
 
     def _spawn(self, args: list[str], ready: str, env: dict) -> str:
         proc = subprocess.Popen(
@@ -212,6 +228,8 @@ class Cluster:
         return line[len(ready):].strip()
 
     def close(self) -> None:
+        if hasattr(self, "_scraping"):
+            self._scraping.set()
         for proc in reversed(self._procs):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -228,6 +246,12 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
 
 
 def start_clusters(processes: list[int], stack: contextlib.ExitStack) -> dict[int, Cluster]:
@@ -416,9 +440,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-workers", choices=("AUTO", "ANY"), default="AUTO",
                         help="AUTO reads the worker through its Unix socket (same host), ANY "
                              "over TCP like a remote trainer (default AUTO)")
+    parser.add_argument("--metrics", action="store_true",
+                        help="servers serve /metrics, scraped every 0.5 s (compare with and "
+                             "without: the cost of metrics)")
     args = parser.parse_args(argv)
-    global TARGET_WORKERS
+    global TARGET_WORKERS, METRICS
     TARGET_WORKERS = args.target_workers
+    METRICS = args.metrics
     settings = QUICK if args.quick else FULL
     rounds = args.rounds or settings.rounds
     sections = set(args.only or ("a", "b", "c"))
@@ -534,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"torch {torch.__version__}, {os.cpu_count()} cores, load average "
           f"{os.getloadavg()[0]:.1f}, {'quick' if args.quick else 'full'} mode, {rounds} rounds, "
-          f"target_workers={TARGET_WORKERS}, "
+          f"target_workers={TARGET_WORKERS}, metrics={'on' if METRICS else 'off'}, "
           f"{time.perf_counter() - began:.0f} s")
     header = f"{'figure':<22} {'value':>17}  {'baseline':<33} {'ratio':>7} {'target':>7}  ok"
     print(header)

@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
 PROTO_PACKAGE = "torch_dataservice/v1"
-PROTO_NAMES = ("common", "dispatcher", "snapshot", "worker")
+PROTO_NAMES = ("common", "dispatcher", "snapshot", "status", "worker")
 OUT_DIR = ROOT / "torch_dataservice" / "proto"
 GENERATED_GLOB = ("*_pb2.py", "*_pb2.pyi", "*_pb2_grpc.py")
 

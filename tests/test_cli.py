@@ -39,7 +39,8 @@ def subcommand_parsers() -> dict:
 
 
 def test_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
-    expected = {"dispatcher": DISPATCHER_FLAGS, "worker": WORKER_FLAGS}
+    expected = {"dispatcher": DISPATCHER_FLAGS, "worker": WORKER_FLAGS,
+                "status": ["--dispatcher", "--json", "--watch"]}
     for command, subparser in subcommand_parsers().items():
         text = help_text(capsys, command)
         for flag in expected[command]:

@@ -19,9 +19,9 @@ PARSED = {"str": "x", "int": 7, "float": 2.5, "bool": True}
 
 
 def base_args(command: str, flag: str = "") -> list[str]:
-    if command != "worker" or flag in ("--dispatcher", "--dispatcher-file"):
+    if command == "dispatcher" or flag in ("--dispatcher", "--dispatcher-file"):
         return [command]
-    return [command, "--dispatcher", "h:1"]
+    return [command, "--dispatcher", "h:1"]  # worker and status need a dispatcher
 
 
 @pytest.mark.timeout(10)

@@ -1,4 +1,5 @@
-"""`torch-dataservice dispatcher|worker`: the servers as standalone processes.
+"""`torch-dataservice dispatcher|worker|status`: the servers as standalone processes, and a
+view of a running cluster.
 
 Both run until SIGTERM or SIGINT, then stop cleanly (exit code 0, port released); SIGTERM on a
 worker drains it first (see WorkerServer.drain). Every flag of a server also reads the
@@ -58,7 +59,11 @@ _TYPES: dict[str, Callable[[str], Any]] = {"str": str, "int": int, "float": floa
                                            "bool": _bool}
 
 COMMON = [Flag("--log-level", "logging level: DEBUG, INFO, WARNING, ERROR (default: INFO)",
-               default="INFO")]
+               default="INFO"),
+          Flag("--log-format", "text lines, or one JSON object per line (default: text)",
+               default="text", choices=("text", "json"))]
+METRICS_PORT = Flag("--metrics-port", "serve Prometheus metrics at http://HOST:PORT/metrics; 0 "
+                                      "picks a free port (default: off)", "int")
 PORT_FILE = Flag("--port-file", "once serving, write HOST:PORT to this file (atomically: "
                                 "other processes never see it half-written)")
 FLAGS: dict[str, list[Flag]] = {
@@ -79,6 +84,7 @@ FLAGS: dict[str, list[Flag]] = {
         Flag("--job-gc-timeout-ms", "an iteration without clients this long is collected "
                                     "(default: 300000)", "int"),
         PORT_FILE,
+        METRICS_PORT,
     ],
     "worker": [
         Flag("--dispatcher", "dispatcher address HOST:PORT or grpc://HOST:PORT"),
@@ -107,10 +113,17 @@ FLAGS: dict[str, list[Flag]] = {
         Flag("--drain-timeout-s", "on SIGTERM, serve what this worker holds for up to this "
                                   "long, then hand the rest back (default: 30)", "float", 30.0),
         PORT_FILE,
+        METRICS_PORT,
+    ],
+    "status": [
+        Flag("--dispatcher", "dispatcher address HOST:PORT or grpc://HOST:PORT"),
+        Flag("--json", "print JSON instead of tables", "bool", False),
+        Flag("--watch", "print again every SECONDS until interrupted", "float"),
     ],
 }
 HELP = {"dispatcher": "run the dispatcher (control plane)",
-        "worker": "run a worker (runs pipelines, serves elements)"}
+        "worker": "run a worker (runs pipelines, serves elements)",
+        "status": "show the workers, iterations and clients of a running dispatcher"}
 
 
 def _add(parser: argparse.ArgumentParser, flag: Flag, suppress: bool = False) -> None:
@@ -157,6 +170,8 @@ def _parser() -> argparse.ArgumentParser:
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "status" and not args.dispatcher:
+        parser.error(f"status: --dispatcher is required (or {Flag('--dispatcher', '').env})")
     if args.command == "worker" and bool(args.dispatcher) == bool(args.dispatcher_file):
         parser.error("worker: give exactly one of --dispatcher and --dispatcher-file "
                      f"(or {Flag('--dispatcher', '').env})")
@@ -218,7 +233,7 @@ def _run_dispatcher(args: argparse.Namespace, signals: _Signals) -> int:
         port=args.port, host=args.host, work_dir=args.work_dir,
         fault_tolerant_mode=args.fault_tolerant, worker_addresses=addresses,
         journal_recovery=args.journal_recovery, worker_timeout_ms=args.worker_timeout_ms,
-        job_gc_timeout_ms=args.job_gc_timeout_ms))
+        job_gc_timeout_ms=args.job_gc_timeout_ms, metrics_port=args.metrics_port))
     if args.port_file:
         write_port_file(args.port_file, server.address)
     print(f"dispatcher serving at {server.target}", flush=True)
@@ -245,7 +260,8 @@ def _run_worker(args: argparse.Namespace, signals: _Signals) -> int:
         heartbeat_interval_ms=args.heartbeat_interval_ms,
         dispatcher_timeout_ms=args.dispatcher_timeout_ms, data_port=args.data_port,
         cross_trainer_cache_bytes=args.cross_trainer_cache_bytes,
-        split_prefetch=args.split_prefetch, drain_timeout_s=args.drain_timeout_s))
+        split_prefetch=args.split_prefetch, drain_timeout_s=args.drain_timeout_s,
+        metrics_port=args.metrics_port))
     announced = False
     while not (signals.stop.wait(0.2) or signals.drain.is_set() or worker.join(timeout=0)):
         if worker.registered and not announced:  # "serving" means: the dispatcher accepted it
@@ -266,10 +282,16 @@ def _run_worker(args: argparse.Namespace, signals: _Signals) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from torch_dataservice.observability.logs import configure
+
+    configure(args.log_level, args.log_format)
     signals = _Signals()
     try:
+        if args.command == "status":
+            from torch_dataservice.observability.status_text import show_status
+
+            return show_status(dispatcher_address(args.dispatcher), args.json, args.watch,
+                               sys.stdout, signals.stop)
         if args.command == "dispatcher":
             return _run_dispatcher(args, signals)
         return _run_worker(args, signals)

@@ -33,6 +33,12 @@ def _check_worker_address(address: str | None) -> None:
                          "this host's name or address")
 
 
+def _check_metrics_port(port: int | None) -> None:
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int)
+                             or not 0 <= port <= 65535):
+        raise ValueError(f"metrics_port must be None or an int in [0, 65535], got {port!r}")
+
+
 def _check_protocol(protocol: str) -> None:
     if protocol != "grpc":
         raise ValueError(f"protocol must be 'grpc', got {protocol!r}")
@@ -63,9 +69,11 @@ class DispatcherConfig:
     worker_timeout_ms: int | None = None
     host: str = "localhost"
     journal_recovery: str = "fail"
+    metrics_port: int | None = None  # Prometheus /metrics: None off, 0 a free port
 
     def __post_init__(self) -> None:
         _check_port(self.port)
+        _check_metrics_port(self.metrics_port)
         _check_protocol(self.protocol)
         if self.journal_recovery not in JOURNAL_RECOVERY:
             raise ValueError(f"journal_recovery must be one of {JOURNAL_RECOVERY}, "
@@ -126,8 +134,10 @@ class WorkerConfig:
     split_prefetch: int = 16
     data_port: int = 0
     drain_timeout_s: float = 30.0
+    metrics_port: int | None = None  # Prometheus /metrics: None off, 0 a free port
 
     def __post_init__(self) -> None:
+        _check_metrics_port(self.metrics_port)
         _check_port(self.data_port, "data_port")
         _check_worker_address(self.worker_address)
         if (isinstance(self.drain_timeout_s, bool)

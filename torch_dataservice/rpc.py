@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import random
 import threading
 import time
@@ -91,6 +92,17 @@ def channel_to(address: str) -> grpc.Channel:
         return channel
 
 
+WAIT_REPORT_ENV = "TORCH_DATASERVICE_WAIT_WARNING_S"
+
+
+def wait_report_s() -> float:
+    """How long a wait goes on before it is reported, and then how often (default 10 s)."""
+    try:
+        return max(0.05, float(os.environ.get(WAIT_REPORT_ENV, "10")))
+    except ValueError:
+        return 10.0
+
+
 def retry(
     call: Callable[[], T],
     *,
@@ -105,7 +117,10 @@ def retry(
     Exponential backoff with jitter, capped at `max_backoff_s`. Raises ServiceUnavailableError
     (chained to the last error) when the deadline expires or `stop` is set.
     """
-    end = time.monotonic() + deadline_s
+    started = time.monotonic()
+    end = started + deadline_s
+    report_every = wait_report_s()
+    reported = 0
     backoff = initial_backoff_s
     attempt = 0
     while True:
@@ -115,18 +130,25 @@ def retry(
         except grpc.RpcError as error:
             if not is_retryable(error):
                 raise
-            remaining = end - time.monotonic()
+            now = time.monotonic()
+            remaining, waited = end - now, now - started
             if remaining <= 0 or (stop is not None and stop.is_set()):
+                why = "stopped" if remaining > 0 else "no answer"  # never a timeout not waited
                 raise ServiceUnavailableError(
-                    f"{description}: no answer after {deadline_s:.1f}s and {attempt} attempts "
+                    f"{description}: {why} after {waited:.1f}s and {attempt} attempts "
                     f"({error.code().name}: {error.details()})"
                 ) from error
-            if attempt == 3:
-                logger.info("%s: still retrying (%s)", description, error.details())
+            if waited >= report_every * (reported + 1):
+                reported = int(waited // report_every)
+                logger.warning("%s: %s, retrying (%.0f s so far, giving up after %.0f s)",
+                               description, error.details() or error.code().name, waited,
+                               deadline_s)
             sleep = min(backoff * (0.5 + random.random()), remaining, max_backoff_s)
             if stop is not None:
                 if stop.wait(sleep):
-                    raise ServiceUnavailableError(f"{description}: stopped") from error
+                    raise ServiceUnavailableError(
+                        f"{description}: stopped after {time.monotonic() - started:.1f}s"
+                    ) from error
             else:
                 time.sleep(sleep)
             backoff = min(backoff * 2, max_backoff_s)

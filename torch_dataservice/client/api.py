@@ -11,6 +11,7 @@ from typing import Any
 
 import cloudpickle
 
+from torch_dataservice.observability.client import ClientStats, current_sink
 from torch_dataservice.pipeline import Pipeline, shared_objects
 from torch_dataservice.policies import TARGET_WORKERS, ShardingPolicy
 from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
@@ -215,15 +216,21 @@ class ServiceSource:
         self._last_pass_created = True
         self._catch_up = False  # the last pass joined an iteration others had consumed
         self._lock = threading.Lock()
+        self._stats: ClientStats | None = None  # every iteration's figures, made when read
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         del state["_lock"]
+        state["_stats"] = None
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+
+    def stats(self) -> dict[str, Any]:
+        """What this Pipeline's reads received and waited, over all its iterations."""
+        return (self._stats or ClientStats()).as_dict()
 
     def __call__(self) -> Iterator[Any]:
         from torch_dataservice.client.reader import IterationReader
@@ -234,6 +241,8 @@ class ServiceSource:
             repetition = self._next_repetition
             self._next_repetition += 1
             catch_up, self._catch_up = self._catch_up, False
+            if self._stats is None and current_sink() is None:
+                self._stats = ClientStats()
         if not first and self._options.cross_trainer_cache is not None:
             # As tf.data service: the cache job is infinite and shared by trainer ids; a second
             # iteration would be a new job iteration whose cache starts at 0, so trainers on
@@ -251,7 +260,8 @@ class ServiceSource:
             trainer_id=(self._options.cross_trainer_cache.trainer_id
                         if self._options.cross_trainer_cache else ""),
             consumer_index=self._options.consumer_index,
-            at_least_latest=catch_up and self._options.consumer_index is None)
+            at_least_latest=catch_up and self._options.consumer_index is None,
+            stats=self._stats)
         with self._lock:
             self._next_repetition = max(self._next_repetition, reader.repetition + 1)
             self._last_pass_created = reader.created_iteration or not named
@@ -272,6 +282,14 @@ class ServiceSource:
         joined a shared iteration that other readers had consumed."""
         with self._lock:
             return self._last_pass_created
+
+
+def reader_stats(pipeline: Pipeline) -> dict[str, Any] | None:
+    """The figures of a Pipeline read through the service (`distribute`, `from_dataset_id`):
+    batches (elements taken), elements and bytes received, seconds waiting, per worker; None
+    for a pipeline that does not read the service."""
+    factory = getattr(pipeline.source, "factory", None)
+    return factory.stats() if isinstance(factory, ServiceSource) else None
 
 
 def from_dataset_id(processing_mode: Any, service: Any, dataset_id: str,

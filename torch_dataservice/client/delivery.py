@@ -36,6 +36,7 @@ class Batch:
     # The (split key, offset) of each payload not yet taken, in order (None: untracked).
     tags: deque = field(default_factory=deque)
     task_id: int = 0
+    nbytes: int = 0  # payload bytes received (stats)
 
 
 class SplitReceived:

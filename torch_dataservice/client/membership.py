@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,7 +22,7 @@ from torch_dataservice import version
 from torch_dataservice.client.delivery import Delivery
 from torch_dataservice.client.transports import task_groups
 from torch_dataservice.errors import is_retryable
-from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
+from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc, status_pb2
 from torch_dataservice.rpc import channel_to, retry, rpc_error_to_exception
 from torch_dataservice.wire import inprocess
 
@@ -59,6 +61,9 @@ class Membership:
         self._target_workers = target_workers
         self._delivery = delivery  # exactly-once DYNAMIC only
         self.rounds: RoundsHooks | None = None  # coordinated reads only
+        # What status and the optimal-workers estimate need (observability/client.py).
+        self.load: Callable[[], status_pb2.ClientLoad] | None = None
+        self.down_since: float | None = None  # the dispatcher has not answered since
         try:
             job = retry(
                 lambda: self._stub.GetOrCreateJob(
@@ -111,6 +116,8 @@ class Membership:
 
     def _beat(self) -> bool:
         request = dispatcher_pb2.ClientHeartbeatRequest(client_id=self.client_id)
+        if self.load is not None:
+            request.load.CopyFrom(self.load())
         reports = self._delivery.report(request)[0] if self._delivery else {}
         if self.rounds is not None:
             with self.lock:
@@ -118,6 +125,7 @@ class Membership:
         try:
             response = self._stub.ClientHeartbeat(request, timeout=HEARTBEAT_TIMEOUT_S)
         except grpc.RpcError as error:
+            self.down_since = self.down_since or time.monotonic()
             if self._delivery:
                 self._delivery.restore(reports)  # report them with the next heartbeat
             if is_retryable(error) or error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -126,6 +134,7 @@ class Membership:
                 return self._rejoin()
             self.fail(rpc_error_to_exception(error, "client heartbeat"))
             return False
+        self.down_since = None
         if self._delivery and response.lost_task_ids:
             self._delivery.fence(response.lost_task_ids)
         if self._delivery and response.settled:
@@ -203,6 +212,8 @@ class Membership:
     def release(self) -> None:
         """Leave the iteration, reporting what was taken since the last heartbeat."""
         request = dispatcher_pb2.ReleaseIterationClientRequest(client_id=self.client_id)
+        if self.load is not None:
+            request.load.CopyFrom(self.load())
         if self._delivery:
             self._delivery.report(request)
         try:

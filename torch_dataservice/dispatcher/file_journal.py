@@ -40,8 +40,9 @@ import os
 import re
 import struct
 import threading
+import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -160,6 +161,7 @@ class FileJournal:
         self._broken: str | None = None  # why appends are refused (a torn record remains)
         self._written = 0  # bytes appended to the current log
         self._synced = 0  # bytes of it known to be on disk
+        self.on_fsync: Callable[[float], None] | None = None  # seconds (metrics)
 
     @property
     def directory(self) -> Path:
@@ -275,7 +277,10 @@ class FileJournal:
                 fd, written = self._fd, self._written
             if self._synced >= target:
                 return  # the fsync we waited for covered us
+            started = time.perf_counter()
             os.fsync(fd)
+            if self.on_fsync is not None:
+                self.on_fsync(time.perf_counter() - started)
             self._synced = max(self._synced, written)
 
     def maybe_compact(self, state: Any) -> bool:

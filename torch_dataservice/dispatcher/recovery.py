@@ -8,6 +8,8 @@ an error naming the recovery instead of data again.
 
 from __future__ import annotations
 
+import logging
+
 from torch_dataservice.dispatcher import liveness, snapshot
 from torch_dataservice.dispatcher.journal import Journal
 from torch_dataservice.dispatcher.soft import SoftState
@@ -15,12 +17,16 @@ from torch_dataservice.dispatcher.state import DispatcherState, InvalidTransitio
 from torch_dataservice.errors import FailedPreconditionError, JournalCorruptError
 from torch_dataservice.proto import dispatcher_pb2
 
+logger = logging.getLogger("torch_dataservice.dispatcher.service")
+
 Update = dispatcher_pb2.Update
 
 
 def replay(journal: Journal) -> DispatcherState:
     state = DispatcherState()
+    records = 0
     for update in journal.replay():
+        records += 1
         try:
             snapshot.apply(state, update)
         except JournalCorruptError:
@@ -30,6 +36,11 @@ def replay(journal: Journal) -> DispatcherState:
                 f"journal {journal.replay_position} does not apply to the state before it "
                 f"({error}): the journal is damaged or was written by an incompatible "
                 "version") from None
+    if records:
+        logger.info("dispatcher restored %d record(s) from the journal: %d dataset(s), %d "
+                    "worker(s), %d iteration(s) not collected", records, len(state.datasets),
+                    len(state.workers),
+                    sum(not it.garbage_collected for it in state.iterations.values()))
     return state
 
 

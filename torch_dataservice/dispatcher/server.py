@@ -9,7 +9,9 @@ import grpc
 
 from torch_dataservice.config import DispatcherConfig
 from torch_dataservice.dispatcher.journal import Journal, NullJournal
+from torch_dataservice.dispatcher.observe import DispatcherObserver, collector
 from torch_dataservice.dispatcher.service import DispatcherService
+from torch_dataservice.observability.metrics import Collector, MetricsEndpoint
 from torch_dataservice.proto import dispatcher_pb2_grpc
 from torch_dataservice.serving import BackgroundLoop, Health, advertised_host, start_grpc_server
 
@@ -41,6 +43,7 @@ class DispatchServer:
         self._liveness: BackgroundLoop | None = None
         self._advertised_host = advertised_host(self._config.host)
         self._health: Health | None = None
+        self._metrics: MetricsEndpoint | None = None
         if start:
             self.start()
 
@@ -62,11 +65,20 @@ class DispatchServer:
     def target(self) -> str:
         return f"grpc://{self.address}"
 
+    @property
+    def metrics_port(self) -> int | None:
+        """The port /metrics is served on (None: metrics are off)."""
+        return self._metrics.port if self._metrics is not None else None
+
     def start(self) -> None:
         if self._server is not None:
             return
         journal = _open_journal(self._config)
-        self._service = DispatcherService(self._config, journal)  # replays the journal
+        observer = DispatcherObserver(with_metrics=self._config.metrics_port is not None)
+        if hasattr(journal, "on_fsync"):
+            journal.on_fsync = observer.fsync
+        # Replays the journal.
+        self._service = DispatcherService(self._config, journal, observer=observer)
         self._health = health = Health(DISPATCHER_SERVICE_NAME)
 
         def register(server: grpc.Server) -> None:
@@ -81,6 +93,12 @@ class DispatchServer:
         self._liveness = BackgroundLoop("dispatcher-liveness", interval,
                                         self._service.check_liveness)
         self._liveness.start()
+        if observer.registry is not None:
+            observer.registry.register(Collector(collector(observer,
+                                                           self._service.cluster_status)))
+            self._metrics = MetricsEndpoint(observer.registry, self._config.host,
+                                            self._config.metrics_port or 0)
+            logger.info("dispatcher metrics at %s", self._metrics.url)
         logger.info("dispatcher serving at %s", self.target)
 
     def stop(self) -> None:
@@ -90,6 +108,9 @@ class DispatchServer:
             self._liveness.stop()
         if self._health is not None:
             self._health.shutdown()
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
         self._server.stop(grace=0.5).wait(5)
         if self._service is not None:
             self._service.close()

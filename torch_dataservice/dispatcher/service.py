@@ -11,7 +11,6 @@ replying. The exactly-once rules of DYNAMIC sharding are in dispatcher/splits.py
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -19,30 +18,27 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch_dataservice.config import DispatcherConfig
-from torch_dataservice.dispatcher import coordinated, liveness, recovery, splits, tasks, validation
+from torch_dataservice.dispatcher import (
+    coordinated,
+    liveness,
+    recovery,
+    splits,
+    status,
+    tasks,
+    validation,
+)
 from torch_dataservice.dispatcher.journal import Journal
+from torch_dataservice.dispatcher.observe import DispatcherObserver, durable
 from torch_dataservice.dispatcher.soft import SoftState
 from torch_dataservice.dispatcher.state import DispatcherState, Iteration, Task
 from torch_dataservice.dispatcher.task_push import Push, TaskPusher
 from torch_dataservice.errors import NotReadyError
-from torch_dataservice.proto import dispatcher_pb2, dispatcher_pb2_grpc
+from torch_dataservice.proto import dispatcher_pb2, dispatcher_pb2_grpc, status_pb2
 from torch_dataservice.rpc import servicer_method
 
 logger = logging.getLogger(__name__)
 
 Update = dispatcher_pb2.Update
-
-
-def _durable(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Sync the journal after the handler released the lock, before the reply leaves."""
-
-    @functools.wraps(method)
-    def wrapper(self: DispatcherService, request: Any, context: Any) -> Any:
-        response = method(self, request, context)
-        self._journal.sync()
-        return response
-
-    return wrapper
 
 
 class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
@@ -51,8 +47,10 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         config: DispatcherConfig,
         journal: Journal,
         clock: Callable[[], float] = time.monotonic,
+        observer: DispatcherObserver | None = None,
     ) -> None:
         self._config = config
+        self._observe = observer or DispatcherObserver()  # load figures: status and metrics
         self._journal = journal
         self._clock = clock
         self._num_workers = len(config.worker_addresses or ())  # static sharding's fixed list
@@ -90,7 +88,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
 
     # ------------------------------------------------------------------ datasets
     @servicer_method
-    @_durable
+    @durable
     def GetOrRegisterDataset(self, request, context):
         definition = request.dataset
         with self._lock:
@@ -109,7 +107,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             return dispatcher_pb2.GetOrRegisterDatasetResponse(dataset_id=dataset_id)
 
     @servicer_method
-    @_durable
+    @durable
     def GetDatasetDef(self, request, context):
         with self._lock:
             dataset = self._state.dataset(request.dataset_id)
@@ -117,7 +115,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
 
     # ------------------------------------------------------------------ jobs and iterations
     @servicer_method
-    @_durable
+    @durable
     def GetOrCreateJob(self, request, context):
         config = request.config
         validation.check_version(request, "this client")
@@ -134,7 +132,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             return dispatcher_pb2.GetOrCreateJobResponse(job_id=job_id)
 
     @servicer_method
-    @_durable
+    @durable
     def GetOrCreateIteration(self, request, context):
         now = self._clock()
         with self._lock:
@@ -155,6 +153,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             self._apply(*created, Update(acquire_client=dispatcher_pb2.AcquireClient(
                 client_id=client_id, iteration_id=iteration_id)))
             self._soft.client_seen[client_id] = now
+            self._observe.joined(client_id, iteration_id, job, new)
             self._soft.iteration_idle_since.pop(iteration_id, None)
             if self._state.iterations[iteration_id].requeued:  # carried over from a collected one
                 self._soft.note_requeue(iteration_id, now, keep=True)
@@ -166,7 +165,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
 
     # ------------------------------------------------------------------ clients
     @servicer_method
-    @_durable
+    @durable
     def ClientHeartbeat(self, request, context):
         with self._lock:
             recovery.check_client(self._state, self._soft, self._journal.recovered_from,
@@ -198,6 +197,8 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
     def _record_delivered(self, iteration: Iteration, request: Any) -> None:
         """Record the offsets a ClientHeartbeat or ReleaseIterationClient request received."""
         self._soft.note_heartbeat(request.client_id, self._clock())
+        self._observe.client(request.client_id, iteration.iteration_id, request.load,
+                             self._clock())
         update = splits.delivered(iteration, request.received)
         if update is not None:
             keys = [(r.split.repetition, r.split.index) for r in update.record_delivered.splits]
@@ -206,7 +207,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             self._soft.note_settled(iteration, sizes)
 
     @servicer_method
-    @_durable
+    @durable
     def ReleaseIterationClient(self, request, context):
         with self._lock:
             if request.client_id in self._state.clients:
@@ -216,14 +217,15 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                 self._release_client(request.client_id)
         return dispatcher_pb2.ReleaseIterationClientResponse()
 
-    def _release_client(self, client_id: int) -> None:
+    def _release_client(self, client_id: int, why: str = "left") -> None:
         iteration = self._state.iteration_of_client(client_id)
         self._apply(Update(release_client=dispatcher_pb2.ReleaseClient(client_id=client_id)))
         self._soft.forget_client(client_id, iteration, self._clock())
+        self._observe.release(client_id, iteration.iteration_id, why)
 
     # ------------------------------------------------------------------ workers
     @servicer_method
-    @_durable
+    @durable
     def WorkerHeartbeat(self, request, context):
         address = request.worker_address
         with self._lock:
@@ -246,9 +248,11 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                     worker_address=address, worker_uid=request.worker_uid, worker_index=index,
                     host_id=request.host_id, process_id=request.process_id,
                     data_port=request.data_port, data_socket=request.data_socket)))
-                logger.info("worker %s registered (index %d)", address, index)
+                logger.info("worker %s joined (index %d, %d executor process(es))", address,
+                            index, request.load.processes)
                 self._apply(*tasks.for_new_worker(self._state, address))
             self._soft.worker_seen[address] = self._clock()
+            self._observe.worker(address, request.load, self._clock())
             new, delete = tasks.worker_task_changes(self._state, address, request.current_tasks,
                                                     self._num_workers)
             response = dispatcher_pb2.WorkerHeartbeatResponse(
@@ -265,6 +269,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         """
         requeued_in = {t.iteration_id for t in self._state.worker_tasks(address) if t.splits}
         self._apply(*liveness.remove_worker(self._state, address))
+        self._observe.forget_worker(address)
         now, created = self._clock(), []
         for iteration_id in sorted(requeued_in):
             self._soft.note_requeue(iteration_id, now)
@@ -294,7 +299,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         return created
 
     @servicer_method
-    @_durable
+    @durable
     def WorkerUpdate(self, request, context):
         created: list[Update] = []
         pushes: list[Push] = []
@@ -306,6 +311,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                     # A split requeued after this task's replicas took their last split waits
                     # for this task to end; then nobody would ask for it.
                     iteration = self._state.iteration(task.iteration_id)
+                    self._observe.task_finished(self._state, iteration)
                     created += self._ensure_requeue_takers(iteration)
                     pushes += self._requeue_unacknowledged(iteration)
             pushes += self._pushes(created)
@@ -314,7 +320,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
 
     # ------------------------------------------------------------------ splits
     @servicer_method
-    @_durable
+    @durable
     def GetSplit(self, request, context):
         with self._lock:
             iteration = self._state.iteration(request.iteration_id)
@@ -356,7 +362,18 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             if end:
                 return dispatcher_pb2.GetSplitResponse(end_of_splits=True)
             granted.append((produce.repetition, produce.split_index))
+        self._observe.splits += len(granted)
         return splits.split_response(iteration, tuple(granted))  # what a retry gets too
+
+    # ------------------------------------------------------------------ status
+    @servicer_method
+    def GetClusterStatus(self, request, context):
+        return self.cluster_status()
+
+    def cluster_status(self) -> status_pb2.GetClusterStatusResponse:
+        with self._lock:
+            return status.cluster_status(self._state, self._soft, self._observe, self._clock(),
+                                         self._worker_timeout_s)
 
     # ------------------------------------------------------------------ liveness
     def check_liveness(self) -> None:
@@ -380,9 +397,8 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                 pushes += self._requeue_unacknowledged(iteration)
             for client_id in liveness.silent_clients(self._state, self._soft, now,
                                                      self._gc_timeout_s):
-                logger.info("client %d silent for %.1fs: released", client_id,
-                            now - self._soft.client_seen[client_id])
-                self._release_client(client_id)
+                self._release_client(client_id, f"silent for "
+                                     f"{now - self._soft.client_seen[client_id]:.1f}s: released")
             for iteration in liveness.idle_iterations(self._state, self._soft, now,
                                                       self._gc_timeout_s):
                 logger.info("iteration %d has had no clients for %.1fs: collected",

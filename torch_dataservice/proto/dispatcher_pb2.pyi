@@ -1,4 +1,5 @@
 from torch_dataservice.proto import common_pb2 as _common_pb2
+from torch_dataservice.proto import status_pb2 as _status_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -70,7 +71,7 @@ class GetOrCreateIterationResponse(_message.Message):
     def __init__(self, iteration_id: _Optional[int] = ..., client_id: _Optional[int] = ..., repetition: _Optional[int] = ..., created: _Optional[bool] = ...) -> None: ...
 
 class ClientHeartbeatRequest(_message.Message):
-    __slots__ = ("client_id", "current_round", "received", "blocked_round", "consumer_index", "removals_seen", "consumer_done", "fenced_tasks", "ready_round")
+    __slots__ = ("client_id", "current_round", "received", "blocked_round", "consumer_index", "removals_seen", "consumer_done", "fenced_tasks", "ready_round", "load")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +81,7 @@ class ClientHeartbeatRequest(_message.Message):
     CONSUMER_DONE_FIELD_NUMBER: _ClassVar[int]
     FENCED_TASKS_FIELD_NUMBER: _ClassVar[int]
     READY_ROUND_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     client_id: int
     current_round: int
     received: _containers.RepeatedCompositeFieldContainer[ReceivedSplit]
@@ -89,7 +91,8 @@ class ClientHeartbeatRequest(_message.Message):
     consumer_done: bool
     fenced_tasks: _containers.RepeatedScalarFieldContainer[int]
     ready_round: int
-    def __init__(self, client_id: _Optional[int] = ..., current_round: _Optional[int] = ..., received: _Optional[_Iterable[_Union[ReceivedSplit, _Mapping]]] = ..., blocked_round: _Optional[int] = ..., consumer_index: _Optional[int] = ..., removals_seen: _Optional[int] = ..., consumer_done: _Optional[bool] = ..., fenced_tasks: _Optional[_Iterable[int]] = ..., ready_round: _Optional[int] = ...) -> None: ...
+    load: _status_pb2.ClientLoad
+    def __init__(self, client_id: _Optional[int] = ..., current_round: _Optional[int] = ..., received: _Optional[_Iterable[_Union[ReceivedSplit, _Mapping]]] = ..., blocked_round: _Optional[int] = ..., consumer_index: _Optional[int] = ..., removals_seen: _Optional[int] = ..., consumer_done: _Optional[bool] = ..., fenced_tasks: _Optional[_Iterable[int]] = ..., ready_round: _Optional[int] = ..., load: _Optional[_Union[_status_pb2.ClientLoad, _Mapping]] = ...) -> None: ...
 
 class ReceivedSplit(_message.Message):
     __slots__ = ("task_id", "split", "offsets")
@@ -128,19 +131,21 @@ class SettledSplit(_message.Message):
     def __init__(self, split: _Optional[_Union[_common_pb2.SplitKey, _Mapping]] = ..., num_elements: _Optional[int] = ...) -> None: ...
 
 class ReleaseIterationClientRequest(_message.Message):
-    __slots__ = ("client_id", "received")
+    __slots__ = ("client_id", "received", "load")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     client_id: int
     received: _containers.RepeatedCompositeFieldContainer[ReceivedSplit]
-    def __init__(self, client_id: _Optional[int] = ..., received: _Optional[_Iterable[_Union[ReceivedSplit, _Mapping]]] = ...) -> None: ...
+    load: _status_pb2.ClientLoad
+    def __init__(self, client_id: _Optional[int] = ..., received: _Optional[_Iterable[_Union[ReceivedSplit, _Mapping]]] = ..., load: _Optional[_Union[_status_pb2.ClientLoad, _Mapping]] = ...) -> None: ...
 
 class ReleaseIterationClientResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerHeartbeatRequest(_message.Message):
-    __slots__ = ("worker_address", "worker_uid", "current_tasks", "host_id", "process_id", "data_port", "data_socket", "build", "leaving")
+    __slots__ = ("worker_address", "worker_uid", "current_tasks", "host_id", "process_id", "data_port", "data_socket", "build", "leaving", "load")
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WORKER_UID_FIELD_NUMBER: _ClassVar[int]
     CURRENT_TASKS_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +155,7 @@ class WorkerHeartbeatRequest(_message.Message):
     DATA_SOCKET_FIELD_NUMBER: _ClassVar[int]
     BUILD_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     worker_address: str
     worker_uid: int
     current_tasks: _containers.RepeatedScalarFieldContainer[int]
@@ -159,7 +165,8 @@ class WorkerHeartbeatRequest(_message.Message):
     data_socket: str
     build: _common_pb2.BuildInfo
     leaving: bool
-    def __init__(self, worker_address: _Optional[str] = ..., worker_uid: _Optional[int] = ..., current_tasks: _Optional[_Iterable[int]] = ..., host_id: _Optional[str] = ..., process_id: _Optional[str] = ..., data_port: _Optional[int] = ..., data_socket: _Optional[str] = ..., build: _Optional[_Union[_common_pb2.BuildInfo, _Mapping]] = ..., leaving: _Optional[bool] = ...) -> None: ...
+    load: _status_pb2.WorkerLoad
+    def __init__(self, worker_address: _Optional[str] = ..., worker_uid: _Optional[int] = ..., current_tasks: _Optional[_Iterable[int]] = ..., host_id: _Optional[str] = ..., process_id: _Optional[str] = ..., data_port: _Optional[int] = ..., data_socket: _Optional[str] = ..., build: _Optional[_Union[_common_pb2.BuildInfo, _Mapping]] = ..., leaving: _Optional[bool] = ..., load: _Optional[_Union[_status_pb2.WorkerLoad, _Mapping]] = ...) -> None: ...
 
 class WorkerHeartbeatResponse(_message.Message):
     __slots__ = ("new_tasks", "tasks_to_delete", "worker_index")

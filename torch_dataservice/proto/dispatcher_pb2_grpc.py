@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from torch_dataservice.proto import dispatcher_pb2 as torch__dataservice_dot_v1_dot_dispatcher__pb2
+from torch_dataservice.proto import status_pb2 as torch__dataservice_dot_v1_dot_status__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -79,6 +80,11 @@ class DispatcherServiceStub:
                 request_serializer=torch__dataservice_dot_v1_dot_dispatcher__pb2.GetSplitRequest.SerializeToString,
                 response_deserializer=torch__dataservice_dot_v1_dot_dispatcher__pb2.GetSplitResponse.FromString,
                 _registered_method=True)
+        self.GetClusterStatus = channel.unary_unary(
+                '/torch_dataservice.v1.DispatcherService/GetClusterStatus',
+                request_serializer=torch__dataservice_dot_v1_dot_status__pb2.GetClusterStatusRequest.SerializeToString,
+                response_deserializer=torch__dataservice_dot_v1_dot_status__pb2.GetClusterStatusResponse.FromString,
+                _registered_method=True)
 
 
 class DispatcherServiceServicer:
@@ -138,6 +144,13 @@ class DispatcherServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetClusterStatus(self, request, context):
+        """Workers, iterations and clients as the dispatcher sees them (`torch-dataservice status`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DispatcherServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +198,11 @@ def add_DispatcherServiceServicer_to_server(servicer, server):
                     servicer.GetSplit,
                     request_deserializer=torch__dataservice_dot_v1_dot_dispatcher__pb2.GetSplitRequest.FromString,
                     response_serializer=torch__dataservice_dot_v1_dot_dispatcher__pb2.GetSplitResponse.SerializeToString,
+            ),
+            'GetClusterStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetClusterStatus,
+                    request_deserializer=torch__dataservice_dot_v1_dot_status__pb2.GetClusterStatusRequest.FromString,
+                    response_serializer=torch__dataservice_dot_v1_dot_status__pb2.GetClusterStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +448,33 @@ class DispatcherService:
             '/torch_dataservice.v1.DispatcherService/GetSplit',
             torch__dataservice_dot_v1_dot_dispatcher__pb2.GetSplitRequest.SerializeToString,
             torch__dataservice_dot_v1_dot_dispatcher__pb2.GetSplitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetClusterStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torch_dataservice.v1.DispatcherService/GetClusterStatus',
+            torch__dataservice_dot_v1_dot_status__pb2.GetClusterStatusRequest.SerializeToString,
+            torch__dataservice_dot_v1_dot_status__pb2.GetClusterStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -42,6 +42,7 @@ import torch.utils.data
 from torch.utils.data import IterableDataset
 
 from torch_dataservice.client.api import ReadOptions, ShardingPolicy
+from torch_dataservice.observability.client import ClientStats
 from torch_dataservice.pipeline import Pipeline
 from torch_dataservice.torch import embedded, sampling, state
 from torch_dataservice.torch.distributed import RankInfo, rank_info, run_seed
@@ -57,6 +58,7 @@ from torch_dataservice.torch.loader_iter import (
     read_shards,
     reading_from,
 )
+from torch_dataservice.torch.loader_stats import even_batches_loss
 from torch_dataservice.torch.registration import Registrar
 from torch_dataservice.torch.shards import RunShard
 
@@ -167,7 +169,14 @@ class DataLoader(torch.utils.data.DataLoader):
             seed = None  # drawn from torch's global RNG by the first set_epoch
         self._tds_epochs = EpochPlanner(seed, self._tds_split, persistent_workers)
         self._tds_progress: Progress | None = None
+        self._tds_stats = ClientStats(rank=self._tds_ranks.rank)  # see stats()
         self.check_worker_number_rationality()  # torch's warning, as its __init__ gives it
+
+    def stats(self) -> dict[str, Any]:
+        """What this loader took and waited for, over its life: batches, elements and bytes
+        received, seconds `__next__` blocked, per worker; and per epoch the samples (or, with
+        a custom sampler, batches) `even_batches` dropped or padded."""
+        return self._tds_stats.as_dict()
 
     # ------------------------------------------------------------------------ epochs
 
@@ -204,12 +213,15 @@ class DataLoader(torch.utils.data.DataLoader):
     def __iter__(self) -> LoaderIterator:
         self.check_worker_number_rationality()  # torch warns at every iter() too
         epoch = self._tds_epochs.begin(self, self._tds_iterable)
+        stats = self._tds_stats
+        stats.samples_dropped, stats.batches_dropped = even_batches_loss(self)
         self._tds_registrar.passes += 1  # in job names: an epoch read again is a new job
         # Map-style: the positions yielded (an out-of-order resume leaves them out).
         positions = set() if self._tds_iterable else set(epoch.positions or range(epoch.yielded))
         progress = Progress(epoch.number, epoch.yielded, None, epoch.rng, positions)
         self._tds_progress = progress
         options = self._tds_iter_options()
+        options.stats = stats
         if self._tds_iterable:
             reading = self._tds_read_iterable(epoch)
             return LoaderIterator(lambda: reading, progress, options)

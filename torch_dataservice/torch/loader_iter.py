@@ -15,6 +15,7 @@ Three readers, one per way an epoch's elements arrive:
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -25,6 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch_dataservice.observability.client import ClientStats, collecting
 from torch_dataservice.torch.fetch import BatchError
 from torch_dataservice.torch.shards import ShardEnd
 
@@ -81,6 +83,9 @@ class IterOptions:
     #: yielded (workers, after their prefetch at iter()).
     on_next: Callable[[], None] | None = None
     on_yield: Callable[[], None] | None = None
+    #: DataLoader.stats(): readers made on the reading thread add to it; next() counts
+    #: batches and the seconds it blocked.
+    stats: ClientStats | None = None
 
 
 class LoaderIterator:
@@ -110,7 +115,8 @@ class LoaderIterator:
         # and its __del__ stops the thread.
         self._thread = threading.Thread(
             target=_run_reading,
-            args=(reading, self._queue, self._stop, self._options.pin_device, self._sources),
+            args=(reading, self._queue, self._stop, self._options.pin_device, self._sources,
+                  self._options.stats),
             name="tds-dataloader-reader", daemon=True)
         self._thread.start()
 
@@ -144,7 +150,11 @@ class LoaderIterator:
                 raise
         if self._options.on_next is not None:
             self._options.on_next()
+        blocked = time.perf_counter()
         item = self._get()  # a timeout leaves the iterator as it is: next() waits again
+        stats = self._options.stats
+        if stats is not None:
+            stats.wait_seconds += time.perf_counter() - blocked
         if isinstance(item, _End):
             self._finish(failed=False)
             raise StopIteration
@@ -156,6 +166,8 @@ class LoaderIterator:
             self._options.on_yield()
         progress = self._progress
         progress.yielded += 1
+        if stats is not None:
+            stats.batches += 1
         if isinstance(position, int):
             progress.positions.add(position)
         self._warn_if_past_len()
@@ -219,7 +231,7 @@ def close_all() -> None:
 
 
 def _run_reading(reading: Reading, out: queue.Queue, stop: threading.Event,
-                 pin_device: str | None, sources: list) -> None:
+                 pin_device: str | None, sources: list, stats: ClientStats | None) -> None:
     """The reading thread: `reading` emits (position, batch) pairs into `out`, pinned; then
     the end, or the failure that stopped it."""
 
@@ -242,7 +254,8 @@ def _run_reading(reading: Reading, out: queue.Queue, stop: threading.Event,
         put((position, batch))
 
     try:
-        reading(emit, sources)
+        with collecting(stats) if stats is not None else contextlib.nullcontext():
+            reading(emit, sources)
         put(_End())
     except _Stopped:
         pass

@@ -96,6 +96,8 @@ class DataPort:
         self._stopped = False
         self.port = 0
         self.socket_path = ""
+        # (transport, elements, bytes) of each reply sent: the worker's counters (metrics).
+        self.on_sent: Callable[[str, int, int], None] | None = None
 
     def start(self) -> None:
         auth.check_bind(self._host)
@@ -211,6 +213,9 @@ class DataPort:
             return _send_status(conn, INTERNAL, f"{type(error).__name__}: {error}")
         for info, payload in zip(header.elements, payloads, strict=True):
             info.size = memoryview(payload).nbytes
+        if self.on_sent is not None and payloads:
+            self.on_sent("unix" if conn.family == socket.AF_UNIX else "tcp", len(payloads),
+                         sum(info.size for info in header.elements))
         header_bytes = header.SerializeToString()
         head = STATUS_LENGTH.pack(OK, len(header_bytes)) + header_bytes
         send_buffers(conn, [head, *payloads])

@@ -55,6 +55,8 @@ class ExecutorListener(Protocol):
 
     def on_executor_lost(self, slot: int) -> None: ...
 
+    def on_stages(self, slot: int, totals: tuple[float, ...]) -> None: ...
+
 
 class _Slot:
     """One executor (process or thread) and the connection to it."""
@@ -178,6 +180,8 @@ class ExecutorPool:
                     listener.on_error(message[1], message[2], message[3], message[4])
                 elif kind == "get_split":
                     listener.on_get_split(*message[1:])
+                elif kind == "stages":  # the executor's stage times (observability/stages.py)
+                    listener.on_stages(slot.index, message[1])
             except (EOFError, OSError):
                 break
             except Exception:

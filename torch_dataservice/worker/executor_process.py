@@ -29,6 +29,8 @@ here -> front:             ("elements", [(key, split|None, offset, payload), ...
                            ("get_split", key, request_id, repetition, finished)
                                finished: (repetition, index, elements) of the split this
                                replica finished producing, or None
+                           ("stages", (split, compute, encode, send seconds, elements))
+                               this executor's running totals (observability/stages.py)
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
@@ -47,6 +50,7 @@ import cloudpickle
 import numpy as np
 
 from torch_dataservice.errors import describe_exception
+from torch_dataservice.observability import stages
 from torch_dataservice.pipeline import ExecutionContext, Pipeline, sharding, shared_objects
 from torch_dataservice.wire import codec
 from torch_dataservice.wire.inprocess import LocalElement
@@ -104,6 +108,7 @@ class _Replica:
         self._splits_taken = 0
         self._produced: dict[tuple[int, int], int] = {}
         self._skip: dict[tuple[int, int], frozenset[int]] = {}
+        self.clock = executor.clocks.new()  # stage times (observability/stages.py)
         self.thread = threading.Thread(target=self._run, name=f"replica-{key}", daemon=True)
 
     # --- called by the executor's receive loop
@@ -136,6 +141,7 @@ class _Replica:
             finished = (*self._holding, self._produced.pop(self._holding, 0))
             self._skip.pop(self._holding, None)
             self._holding = None
+        asked = time.perf_counter()
         self._executor.send(("get_split", self.key, request_id, repetition, finished))
         with self._cond:
             while request_id not in self._split_replies:
@@ -143,6 +149,7 @@ class _Replica:
                     raise _Stopped
                 self._cond.wait(1.0)
             index, skip, split_repetition = self._split_replies.pop(request_id)
+        self.clock.times[stages.SPLIT] += time.perf_counter() - asked
         if index is not None:
             self._holding = (repetition if split_repetition is None else split_repetition, index)
             self._split_key = self._holding
@@ -153,9 +160,13 @@ class _Replica:
 
     def _take_credit(self, size: int) -> None:
         with self._cond:
-            while not self._stopped and (self._credits <= 0 or (
+            if not self._stopped and (self._credits <= 0 or (
                     self._in_flight and self._bytes_in_flight + size > MAX_BYTES_IN_FLIGHT)):
-                self._cond.wait(1.0)
+                since = time.perf_counter()  # back-pressure: not counted as work
+                while not self._stopped and (self._credits <= 0 or (
+                        self._in_flight and self._bytes_in_flight + size > MAX_BYTES_IN_FLIGHT)):
+                    self._cond.wait(1.0)
+                self.clock.times[stages.BLOCKED] += time.perf_counter() - since
             if self._stopped:
                 raise _Stopped
             self._credits -= 1
@@ -168,7 +179,12 @@ class _Replica:
             last_split = None
             offset = 0
             elements: Iterator[Any] = self._pipeline.iterate(ctx)
+            clock, now = self.clock, time.perf_counter  # stage times: observability/stages.py
+            compute = encode = count = 0
+            published = encoded = now()
             for element in elements:
+                computed = now()
+                compute += computed - encoded  # credit waits and big sends: subtracted later
                 # The source sets ctx.current_split right after get_split returns a split (on
                 # this thread), so the split taken last is the one it describes.
                 split = None if ctx.current_split is None else self._splits_taken
@@ -188,17 +204,31 @@ class _Replica:
                     self._take_credit(kept.size)
                     self._executor.send_local(self.key, wire_split, offset, kept)
                     del kept
+                    count += 1
                     continue
                 parts = codec.encode(element, self._compression)
+                encoded = now()
+                encode += encoded - computed
                 size = codec.payload_size(parts)
                 self._take_credit(size)
+                sending = now() if size > INLINE_PAYLOAD_BYTES else 0.0  # a copy or a wait
                 self._executor.send_element(self.key, wire_split, offset, parts, size)
+                if sending:
+                    clock.times[stages.SEND] += now() - sending
+                count += 1
+                if encoded - published > stages.PUBLISH_S:
+                    published = encoded
+                    clock.publish(compute, encode, count)
+                    compute = encode = count = 0
+            compute += now() - encoded  # the last pull, which found the end
+            clock.publish(compute, encode, count)
             self._executor.send(("end", self.key))
         except _Stopped:
             pass
         except BaseException as error:  # user code failed: the consumer must see it
             self._executor.send(("error", self.key, *describe_exception(error)))
         finally:
+            self._executor.clocks.end(self.clock)
             self._executor.forget(self.key)
 
 
@@ -215,6 +245,7 @@ class ExecutorLoop:
         self._objects: dict[str, Any] = {}
         self._replicas: dict[ReplicaKey, _Replica] = {}
         self._lock = threading.Lock()
+        self.clocks = stages.ExecutorClocks()
         # One sender thread writes everything, in order: small elements queued while it was
         # writing go out as one message (a write per tiny element would cost more than it).
         # Queued: messages for the front as they are, except elements: small ones as
@@ -276,14 +307,22 @@ class ExecutorLoop:
             pass
 
     def _send_loop(self) -> None:
+        shipped = 0.0
         while True:
             with self._outbox_ready:
                 while not self._outbox:
                     self._outbox_ready.wait()
                 messages = list(self._outbox)
                 self._outbox.clear()
+            started = time.perf_counter()
+            if started - shipped >= stages.SHIP_INTERVAL_S or any(
+                    m is None or m[0] in ("end", "error") for m in messages):
+                shipped = started  # the stage totals ride with what is written anyway
+                messages.insert(len(messages) - (messages[-1] is None),
+                                ("stages", self.clocks.totals()))
             try:
                 done = self._write(messages)
+                self.clocks.write_seconds += time.perf_counter() - started
             except (OSError, ValueError):  # the front is gone; the receive loop ends too
                 done = True
             if done:

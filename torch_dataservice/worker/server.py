@@ -13,10 +13,12 @@ import grpc
 from torch_dataservice import auth, version
 from torch_dataservice.config import PORT_PLACEHOLDER, WorkerConfig
 from torch_dataservice.errors import ServiceUnavailableError
+from torch_dataservice.observability.metrics import Collector, MetricsEndpoint, new_registry
 from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
 from torch_dataservice.rpc import WORKER_SERVICE_NAME, channel_to, is_version_mismatch, retry
 from torch_dataservice.serving import BackgroundLoop, Health, advertised_host, start_grpc_server
 from torch_dataservice.wire import inprocess
+from torch_dataservice.worker import metrics
 from torch_dataservice.worker.data_port import DataPort
 from torch_dataservice.worker.service import WorkerService
 from torch_dataservice.worker.split_feed import FinishedSplit, Split
@@ -73,6 +75,7 @@ class WorkerServer:
         self._tasks: TaskManager | None = None
         self._heartbeat: BackgroundLoop | None = None
         self._data_port: DataPort | None = None
+        self._metrics: MetricsEndpoint | None = None
         self._dataset_cache: dict[str, common_pb2.DatasetDef] = {}
         self._dispatcher = dispatcher_pb2_grpc.DispatcherServiceStub(
             channel_to(config.dispatcher_address))
@@ -102,6 +105,11 @@ class WorkerServer:
         return self._config
 
     @property
+    def metrics_port(self) -> int | None:
+        """The port /metrics is served on (None: metrics are off)."""
+        return self._metrics.port if self._metrics is not None else None
+
+    @property
     def service(self) -> WorkerService | None:
         return self._service if self._server is not None else None
 
@@ -125,7 +133,9 @@ class WorkerServer:
             # (worker/data_port.py).
             self._data_port = DataPort(self._service.fetch, self._registered.is_set,
                                        self._config.host, self._config.data_port)
+            self._data_port.on_sent = self._service.counters.sent
             self._data_port.start()
+            self._start_metrics()
         except BaseException:  # undo a start that failed half-way: nothing stays behind
             self._release(grace_s=0)
             raise
@@ -146,6 +156,15 @@ class WorkerServer:
         self._service.register(server)
         self._health.register(server)
 
+    def _start_metrics(self) -> None:
+        if self._config.metrics_port is None or self._tasks is None:
+            return
+        registry = new_registry()
+        registry.register(Collector(metrics.collector(
+            self._service.counters, self._tasks.stages, self._tasks.buffered_elements)))
+        self._metrics = MetricsEndpoint(registry, self._config.host, self._config.metrics_port)
+        logger.info("worker metrics at %s", self._metrics.url)
+
     def _release(self, grace_s: float) -> None:
         """Stop serving (replies under way get `grace_s`), then the data port and executors."""
         if self._server is not None:
@@ -156,6 +175,9 @@ class WorkerServer:
         if self._data_port is not None:
             self._data_port.stop()
             self._data_port = None
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
         if self._tasks is not None:
             self._tasks.close()
 
@@ -168,7 +190,9 @@ class WorkerServer:
         request = dispatcher_pb2.WorkerHeartbeatRequest(
             worker_address=self._address, worker_uid=self._uid,
             current_tasks=self._tasks.task_ids(), host_id=inprocess.HOST_ID,
-            process_id=inprocess.process_id(), build=version.to_message(version.current()))
+            process_id=inprocess.process_id(), build=version.to_message(version.current()),
+            load=metrics.load(self._service.counters, self._tasks.stages,
+                              self._tasks.buffered_elements(), self._tasks.num_executors))
         data_port = self._data_port
         if data_port is not None:
             request.data_port, request.data_socket = data_port.port, data_port.socket_path
@@ -188,8 +212,10 @@ class WorkerServer:
             self._tasks.delete(task_id)
         if not self._registered.is_set() and not self._draining.is_set():
             self._health.set_serving(True)
-            logger.info("worker serving at %s (gRPC port %d, data port %d)", self._address,
-                        self._port, self.data_port)
+            logger.info("worker %s registered with the dispatcher at %s (index %d): serving "
+                        "(gRPC port %d, data port %d)", self._address,
+                        self._config.dispatcher_address, response.worker_index, self._port,
+                        self.data_port)
         self._registered.set()
 
     def _dataset(self, dataset_id: str) -> common_pb2.DatasetDef:
@@ -290,6 +316,7 @@ class WorkerServer:
         if self._server is None:
             return
         self._stopped.set()
+        logger.info("worker %s stopping", self._address)
         if self._heartbeat is not None:
             self._heartbeat.stop()
         self._release(grace_s=0.5)

@@ -11,7 +11,9 @@ import grpc
 from torch_dataservice.proto import worker_pb2
 from torch_dataservice.rpc import WORKER_SERVICE_NAME, check_request
 from torch_dataservice.wire import frame
+from torch_dataservice.wire.inprocess import payload_nbytes
 from torch_dataservice.worker.local import encode_elements
+from torch_dataservice.worker.metrics import WorkerCounters
 from torch_dataservice.worker.tasks import TaskManager
 
 logger = logging.getLogger(__name__)
@@ -23,9 +25,10 @@ class WorkerService:
     def __init__(self, tasks: TaskManager, is_registered: Callable[[], bool]) -> None:
         self._tasks = tasks
         self._is_registered = is_registered
+        self.counters = WorkerCounters()  # what was sent, by transport (worker/metrics.py)
 
-    def fetch(self, request: worker_pb2.GetElementsRequest, local: bool = False) -> tuple[
-            worker_pb2.ElementBatchHeader, list]:
+    def fetch(self, request: worker_pb2.GetElementsRequest, local: bool = False,
+              transport: str | None = None) -> tuple[worker_pb2.ElementBatchHeader, list]:
         """The elements for one GetElements request, as payloads for the wire (gRPC, the data
         port) or, with `local` (an in-process reader), as they are buffered: elements of an
         executor thread then stay the objects themselves (worker/local.py, `LocalElement`)."""
@@ -44,7 +47,11 @@ class WorkerService:
         if error is not None:
             header.has_error = True
             header.error.type, header.error.message, header.error.traceback = error
-        return header, [element.payload for element in elements]
+        payloads = [element.payload for element in elements]
+        if payloads and (local or transport):  # once per reply (the data port counts its own)
+            self.counters.sent(transport or "local", len(payloads),
+                               sum(payload_nbytes(p) for p in payloads))
+        return header, payloads
 
     def GetElements(self, request: worker_pb2.GetElementsRequest,
                     context: grpc.ServicerContext) -> bytes:
@@ -67,7 +74,7 @@ class WorkerService:
         except ValueError as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         try:
-            header, payloads = self.fetch(request)
+            header, payloads = self.fetch(request, transport="grpc")
         except LookupError:
             context.abort(grpc.StatusCode.UNAVAILABLE,
                           f"task {request.task_id} is not known here yet")

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch_dataservice.observability.stages import StageTotals
 from torch_dataservice.pipeline.split_cursor import LocalSplitCursor
 from torch_dataservice.policies import ShardingPolicy
 from torch_dataservice.proto import common_pb2
@@ -138,6 +139,7 @@ class TaskManager:
         self._split_prefetch = split_prefetch
         self._accepting = True  # False while the worker drains: no new task
         self.cross_trainer_cache_bytes = 1 << 30  # WorkerConfig.cross_trainer_cache_bytes
+        self.stages = StageTotals()  # the executors' stage times (observability/stages.py)
 
     def start(self) -> None:
         self._executors.start()
@@ -228,6 +230,15 @@ class TaskManager:
     def get(self, task_id: int) -> Task | None:
         with self._lock:
             return self._tasks.get(task_id)
+
+    @property
+    def num_executors(self) -> int:
+        return self._executors.size
+
+    def buffered_elements(self) -> int:
+        """Elements made and not yet handed out, over every task (metrics, status)."""
+        with self._lock:
+            return sum(len(task.buffer) for task in self._tasks.values())
 
     def _ensure_started(self, task: Task) -> None:
         with task.cond:
@@ -421,7 +432,11 @@ class TaskManager:
         task.split_feed.request(repetition, finished, reply,
                                 lambda kind, message: self.on_error(key, kind, message, ""))
 
+    def on_stages(self, slot: int, totals: tuple[float, ...]) -> None:
+        self.stages.update(slot, totals)
+
     def on_executor_lost(self, slot: int) -> None:
+        self.stages.lost(slot)
         with self._lock:
             tasks = list(self._tasks.values())
         for task in tasks:
