@@ -30,6 +30,24 @@ def _read(target: str, consumer: int, got: list, errors: list, stop: threading.E
         errors.append(error)
 
 
+def _start_readers(target: str, first: int) -> tuple[list, list, threading.Event, list]:
+    """Two coordinated consumers on threads, once each has read `first` elements."""
+    got: list[list[tuple[int, int]]] = [[], []]
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    threads = [threading.Thread(target=_read, args=(target, i, got[i], errors, stop),
+                                daemon=True) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while min(len(g) for g in got) < first and not errors:
+        if time.monotonic() > deadline:
+            stop.set()
+            pytest.fail(f"no progress: {[len(g) for g in got]}")
+        time.sleep(0.02)
+    return got, errors, stop, threads
+
+
 def _wait_for_new_pid(got: list[list], known: set[int], errors: list, what: str) -> int:
     """Wait until both consumers received elements from an executor not in `known`."""
     deadline = time.monotonic() + 60
@@ -48,18 +66,8 @@ def test_new_and_restarted_workers_join_a_running_coordinated_read(
         process_cluster: ProcessCluster) -> None:
     process_cluster.start_dispatcher("--worker-timeout-ms", "1000")
     workers = [process_cluster.start_worker() for _ in range(2)]
-    got: list[list[tuple[int, int]]] = [[], []]
-    errors: list[BaseException] = []
-    stop = threading.Event()
-    threads = [threading.Thread(target=_read, args=(process_cluster.target, i, got[i], errors,
-                                                    stop), daemon=True) for i in range(2)]
-    for thread in threads:
-        thread.start()
+    got, errors, stop, threads = _start_readers(process_cluster.target, 40)
     try:
-        deadline = time.monotonic() + 60
-        while min(len(g) for g in got) < 40 and not errors:
-            assert time.monotonic() < deadline, f"no progress: {[len(g) for g in got]}"
-            time.sleep(0.02)
         original = {pid for pid, _ in got[0]}
         assert len(original) == 2, f"rounds did not visit both workers: {original}"
         known = set(original)
@@ -92,18 +100,8 @@ def test_new_and_restarted_workers_join_a_running_coordinated_read(
 def test_the_only_worker_restarted_takes_its_own_place(process_cluster: ProcessCluster) -> None:
     process_cluster.start_dispatcher("--worker-timeout-ms", "1000")
     worker = process_cluster.start_worker()
-    got: list[list[tuple[int, int]]] = [[], []]
-    errors: list[BaseException] = []
-    stop = threading.Event()
-    threads = [threading.Thread(target=_read, args=(process_cluster.target, i, got[i], errors,
-                                                    stop), daemon=True) for i in range(2)]
-    for thread in threads:
-        thread.start()
+    got, errors, stop, threads = _start_readers(process_cluster.target, 20)
     try:
-        deadline = time.monotonic() + 60
-        while min(len(g) for g in got) < 20 and not errors:
-            assert time.monotonic() < deadline, f"no progress: {[len(g) for g in got]}"
-            time.sleep(0.02)
         original = {pid for pid, _ in got[0]}
         worker.kill()
         worker.restart()

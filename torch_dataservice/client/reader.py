@@ -33,14 +33,14 @@ import grpc
 from torch_dataservice.client import transports
 from torch_dataservice.client.data_port import DataPortError, DataPortPool
 from torch_dataservice.client.delivery import Batch, Delivery
+from torch_dataservice.client.figures import ReaderFigures
 from torch_dataservice.client.membership import HEARTBEAT_INTERVAL_S, Membership, TaskState
 from torch_dataservice.client.rounds import CoordinatedRounds
 from torch_dataservice.client.transports import Transport
 from torch_dataservice.errors import RemoteError, is_retryable
-from torch_dataservice.observability.client import ClientStats, current_sink
-from torch_dataservice.observability.waiting import Waiting, WaitReport
+from torch_dataservice.observability.client import ClientStats
 from torch_dataservice.policies import STATIC_POLICIES, ShardingPolicy
-from torch_dataservice.proto import common_pb2, status_pb2, worker_pb2
+from torch_dataservice.proto import common_pb2, worker_pb2
 from torch_dataservice.rpc import rpc_error_to_exception
 from torch_dataservice.wire import codec, inprocess
 from torch_dataservice.wire.inprocess import LocalElement
@@ -83,16 +83,7 @@ class IterationReader:
                              f"num_consumers={num_consumers!r}")
         self._consumer_index = consumer_index
         self._trainer_id = trainer_id
-        # Figures (observability/client.py): a DataLoader reading on this thread made its own
-        # stats the sink and counts batches and waiting itself; otherwise this reader does.
-        sink = current_sink()
-        self._stats = sink or stats or ClientStats()
-        self._counts_consumer = sink is None
-        self._received = [0, 0]  # this reader's elements and bytes (its iteration's share)
-        # Saying what a long wait waits for (observability/waiting.py).
-        self._address, self._wait_report = dispatcher_address, WaitReport()
-        self._blocked_since: float | None = None  # the consumer's __next__ is blocked
-        self._reported_wait = 0.0
+        self._figures = ReaderFigures(dispatcher_address, stats)
         # Exactly-once DYNAMIC (dispatcher/splits.py, client/delivery.py).
         exactly_once = (job_config.sharding_policy == ShardingPolicy.DYNAMIC
                         and consumer_index is None)
@@ -100,7 +91,7 @@ class IterationReader:
         self._m = Membership(dispatcher_address, job_config, repetition, connect_timeout_s,
                              target_workers, self._delivery, at_least_latest)
         self.repetition, self.created_iteration = self._m.repetition, self._m.created_iteration
-        self._m.load = self._load
+        self._m.load = self._figures.load
         self._max_outstanding = max_outstanding_requests or DEFAULT_MAX_OUTSTANDING
         self._next_task = itertools.count()
         self._in_flight = 0
@@ -110,24 +101,28 @@ class IterationReader:
         self._data_ports = DataPortPool()
         self._transports: dict[int, Transport] = {}  # chosen once per task
         self._rounds: CoordinatedRounds | None = None
-        self._threads = [threading.Thread(target=self._heartbeat_loop, daemon=True,
-                                          name=f"reader-heartbeat-{self.client_id}")]
-        if consumer_index is not None:
-            self._rounds = self._m.rounds = CoordinatedRounds(
-                consumer_index, self._m, self._fetch, self._slots, self._begin, self._settle,
-                connect_timeout_s)
-            self._threads.append(threading.Thread(
-                target=self._rounds.run, daemon=True, name=f"reader-rounds-{self.client_id}"))
-        else:
-            self._threads += [
-                threading.Thread(target=self._fetch_loop, daemon=True,
-                                 name=f"reader-fetch-{self.client_id}-{i}")
-                for i in range(self._max_outstanding)
-            ]
+        self._threads = self._make_threads(consumer_index, connect_timeout_s)
         self._m.heartbeat()
         _readers.add(self)
         for thread in self._threads:
             thread.start()
+
+    def _make_threads(self, consumer_index: int | None,
+                      connect_timeout_s: float) -> list[threading.Thread]:
+        """The heartbeat thread, and the rounds thread (coordinated reads) or the fetch
+        threads."""
+        threads = [threading.Thread(target=self._heartbeat_loop, daemon=True,
+                                    name=f"reader-heartbeat-{self.client_id}")]
+        if consumer_index is not None:
+            self._rounds = self._m.rounds = CoordinatedRounds(
+                consumer_index, self._m, self._fetch, self._slots, self._begin, self._settle,
+                connect_timeout_s)
+            threads.append(threading.Thread(
+                target=self._rounds.run, daemon=True, name=f"reader-rounds-{self.client_id}"))
+            return threads
+        return threads + [threading.Thread(target=self._fetch_loop, daemon=True,
+                                           name=f"reader-fetch-{self.client_id}-{i}")
+                          for i in range(self._max_outstanding)]
 
     @property
     def iteration_id(self) -> int:
@@ -141,46 +136,11 @@ class IterationReader:
     def _heartbeat_loop(self) -> None:
         while not self._m.closed.wait(HEARTBEAT_INTERVAL_S):
             self._m.heartbeat()
-            blocked, now = self._blocked_since, time.monotonic()
-            if self._wait_report.due(blocked, now) and blocked is not None:
-                self._wait_report.report(self._waiting(), now - blocked, not self._received[0])
-
-    def _load(self) -> status_pb2.ClientLoad:
-        """What the dispatcher's status and optimal-workers estimate need from this reader."""
-        stats, blocked = self._stats, self._blocked_since
-        waiting = time.monotonic() - blocked if blocked and self._counts_consumer else 0.0
-        # The wait under way counts too; a total never goes down (a restart would, to 0).
-        self._reported_wait = max(self._reported_wait, stats.wait_seconds + waiting)
-        return status_pb2.ClientLoad(rank=max(0, stats.rank), batches=stats.batches,
-                                     wait_seconds=self._reported_wait,
-                                     elements=self._received[0], bytes=self._received[1])
-
-    def _waiting(self) -> Waiting:
-        """What this reader is waiting on, for the log line of a long wait."""
-        now = time.monotonic()
-        down = self._m.down_since
-        waiting = Waiting(self._address, self.iteration_id,
-                          dispatcher_down_s=now - down if down is not None else 0.0)
-        with self._m.lock:
-            states = [s for s in self._m.tasks.values() if not s.ended]
-        for state in states:
-            target = transports.data_target(state.info, self._target_workers) or ("grpc",)
-            via = ":".join(str(part) for part in target)
-            (waiting.unreachable if state.failures else waiting.serving).append(
-                f"worker {state.info.worker_address}" + (f" (via {via})" if state.failures
-                                                         else ""))
-        if not states and not down:
-            from torch_dataservice.observability.status_text import fetch_status
-
-            try:
-                waiting.workers_registered = len(fetch_status(self._address, 2.0).workers)
-            except grpc.RpcError:
-                pass
-        return waiting
+            self._figures.report_wait(self._m, self._target_workers)
 
     def stats(self) -> dict[str, Any]:
         """Batches, elements, bytes, seconds waiting, per worker (observability/client.py)."""
-        return self._stats.as_dict()
+        return self._figures.stats.as_dict()
 
     # ------------------------------------------------------------------ fetching
     def _pick_task(self) -> TaskState | None:
@@ -225,10 +185,8 @@ class IterationReader:
         with self._m.lock:
             self._in_flight -= 1
             if batch is not None and batch.payloads:
-                self._received[0] += len(batch.payloads)
-                self._received[1] += batch.nbytes
-                self._stats.received(self._m.tasks[batch.task_id].info.worker_address,
-                                     len(batch.payloads), batch.nbytes)
+                self._figures.received(self._m.tasks[batch.task_id].info.worker_address,
+                                       len(batch.payloads), batch.nbytes)
             if batch is not None and (batch.payloads or batch.error):
                 self._results.put(batch)
             else:
@@ -321,7 +279,7 @@ class IterationReader:
                         raise batch.error
                 if blocked is None:
                     blocked = time.perf_counter()
-                    self._blocked_since = time.monotonic()  # a long wait is reported
+                    self._figures.blocked_since = time.monotonic()  # a long wait is reported
                 try:
                     self._current = self._results.get(timeout=0.05)
                     continue
@@ -336,9 +294,7 @@ class IterationReader:
                         self.close()
                         raise StopIteration
         finally:
-            self._blocked_since = None
-            if blocked is not None and self._counts_consumer:
-                self._stats.wait_seconds += time.perf_counter() - blocked
+            self._figures.waited(blocked)
 
     def _take(self, batch: Batch) -> Any:
         """The batch's next element, decoded (acknowledged under exactly-once)."""
@@ -348,8 +304,7 @@ class IterationReader:
         if not batch.payloads and batch.error is None:
             self._current = None
             self._slots.release()
-        if self._counts_consumer:
-            self._stats.batches += 1
+        self._figures.took()
         if type(payload) is LocalElement:
             return payload.take()  # the object itself: no decode, no copy
         return codec.decode(payload, borrow=batch.borrow)

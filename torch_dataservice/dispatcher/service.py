@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from torch_dataservice.config import DispatcherConfig
@@ -27,6 +27,7 @@ from torch_dataservice.dispatcher import (
     tasks,
     validation,
 )
+from torch_dataservice.dispatcher.effects import Effects
 from torch_dataservice.dispatcher.journal import Journal
 from torch_dataservice.dispatcher.observe import DispatcherObserver, durable
 from torch_dataservice.dispatcher.soft import SoftState
@@ -60,6 +61,8 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         self._state = recovery.replay(journal)
         self._soft = SoftState.restored(self._state, clock())
         self._pusher = TaskPusher()
+        self._effects = Effects(self._state, self._soft, self._apply, self._observe, clock,
+                                self._num_workers, self._gc_timeout_s)
         if journal.recovered_from is not None:  # cut at damage: rewrite it without
             self._apply(*recovery.drop_running(self._state, self._soft, journal.recovered_from))
             journal.compact(self._state)
@@ -78,13 +81,6 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             self._journal.append(update)  # durable before any reply: see _durable
             self._state.apply(update)
         self._journal.maybe_compact(self._state)
-
-    def _pushes(self, updates: Iterable[Update]) -> list[Push]:
-        """The task definitions of the CreateTask updates among `updates` (applied)."""
-        created = [self._state.task(u.create_task.task_id) for u in updates
-                   if u.WhichOneof("kind") == "create_task"]
-        return [(t.worker_address, tasks.task_def(self._state, t, self._num_workers))
-                for t in created]
 
     # ------------------------------------------------------------------ datasets
     @servicer_method
@@ -157,7 +153,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             self._soft.iteration_idle_since.pop(iteration_id, None)
             if self._state.iterations[iteration_id].requeued:  # carried over from a collected one
                 self._soft.note_requeue(iteration_id, now, keep=True)
-            pushes = self._pushes(created)
+            pushes = self._effects.pushes(created)
         self._pusher.push(pushes)
         return dispatcher_pb2.GetOrCreateIterationResponse(
             iteration_id=iteration_id, client_id=client_id, repetition=repetition,
@@ -179,7 +175,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             reply = tasks.client_reply(self._state, iteration,
                                        self._soft.take_settled(iteration, request.client_id),
                                        self._soft.proposals.get(iteration.iteration_id))
-            pushes = self._pushes(added)
+            pushes = self._effects.pushes(added)
         self._pusher.push(pushes)
         return reply
 
@@ -233,10 +229,10 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             pushes: list[Push] = []
             if liveness.leaves(worker, request):  # drained: hand back what it holds now
                 logger.info("worker %s left (drained)", address)
-                pushes = self._remove_worker(address)
+                pushes = self._effects.remove_worker(address)
             elif worker is not None and worker.uid != request.worker_uid and not request.leaving:
                 logger.info("worker %s restarted; its old tasks are dropped", address)
-                pushes = self._remove_worker(address)
+                pushes = self._effects.remove_worker(address)
                 worker = None
             if request.leaving:
                 self._pusher.push(pushes)
@@ -261,43 +257,6 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         self._pusher.push(pushes)
         return response
 
-    def _remove_worker(self, address: str) -> list[Push]:
-        """Journal that a worker left; return the new tasks to push to the others.
-
-        An iteration left with requeued splits and no unfinished task on a registered worker
-        gets a task on every registered worker, which will take them (dispatcher/splits.py).
-        """
-        requeued_in = {t.iteration_id for t in self._state.worker_tasks(address) if t.splits}
-        self._apply(*liveness.remove_worker(self._state, address))
-        self._observe.forget_worker(address)
-        now, created = self._clock(), []
-        for iteration_id in sorted(requeued_in):
-            self._soft.note_requeue(iteration_id, now)
-            iteration = self._state.iterations[iteration_id]
-            logger.info("iteration %d: %d split(s) of worker %s requeued", iteration_id,
-                        len(iteration.requeued), address)
-            created += self._ensure_requeue_takers(iteration)
-        return self._pushes(created)
-
-    def _requeue_unacknowledged(self, iteration: Iteration) -> list[Push]:
-        if iteration.iteration_id not in self._soft.iterations_with_silent_clients:
-            return []
-        updates = splits.requeue_unacknowledged(self._state, iteration)
-        if not updates:
-            return []
-        self._apply(*updates)
-        self._soft.note_requeue(iteration.iteration_id, self._clock())
-        logger.info("iteration %d: %d split(s) a silent client may have held requeued",
-                    iteration.iteration_id, len(updates))
-        return self._pushes(self._ensure_requeue_takers(iteration))
-
-    def _ensure_requeue_takers(self, iteration: Iteration) -> list[Update]:
-        if not splits.needs_takers(self._state, iteration):
-            return []
-        created = tasks.on_every_worker(self._state, iteration)
-        self._apply(*created)
-        return created
-
     @servicer_method
     @durable
     def WorkerUpdate(self, request, context):
@@ -312,9 +271,9 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                     # for this task to end; then nobody would ask for it.
                     iteration = self._state.iteration(task.iteration_id)
                     self._observe.task_finished(self._state, iteration)
-                    created += self._ensure_requeue_takers(iteration)
-                    pushes += self._requeue_unacknowledged(iteration)
-            pushes += self._pushes(created)
+                    created += self._effects.ensure_requeue_takers(iteration)
+                    pushes += self._effects.requeue_unacknowledged(iteration)
+            pushes += self._effects.pushes(created)
         self._pusher.push(pushes)
         return dispatcher_pb2.WorkerUpdateResponse()
 
@@ -385,7 +344,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                                                    self._worker_timeout_s):
                 logger.warning("worker %s missed heartbeats for %.1fs: removed",
                                address, now - self._soft.worker_seen[address])
-                pushes += self._remove_worker(address)
+                pushes += self._effects.remove_worker(address)
                 del self._soft.worker_seen[address]
             for client_id in liveness.newly_silent_clients(self._state, self._soft, now,
                                                            self._worker_timeout_s):
@@ -394,7 +353,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                                "acknowledge goes to the other clients", client_id,
                                iteration.iteration_id, now - self._soft.client_seen[client_id])
                 self._soft.note_silent(client_id, iteration.iteration_id)
-                pushes += self._requeue_unacknowledged(iteration)
+                pushes += self._effects.requeue_unacknowledged(iteration)
             for client_id in liveness.silent_clients(self._state, self._soft, now,
                                                      self._gc_timeout_s):
                 self._release_client(client_id, f"silent for "
@@ -404,18 +363,6 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                 logger.info("iteration %d has had no clients for %.1fs: collected",
                             iteration.iteration_id,
                             now - self._soft.iteration_idle_since[iteration.iteration_id])
-                self._collect(iteration, now)
+                self._effects.collect(iteration, now)
         self._journal.sync()
         self._pusher.push(pushes)
-
-    def _collect(self, iteration: Iteration, now: float) -> None:
-        self._apply(*liveness.collect(self._state, iteration))
-        for coordination in (self._soft.blocked, self._soft.rounds, self._soft.proposals):
-            coordination.pop(iteration.iteration_id, None)
-        self._soft.iteration_idle_since.pop(iteration.iteration_id, None)
-        dataset_id = self._state.job(iteration.job_id).config.dataset_id
-        removal = liveness.unread_ephemeral(self._state, self._soft, dataset_id, now,
-                                            self._gc_timeout_s)
-        if removal is not None:
-            logger.info("ephemeral dataset %s is no longer read: removed", dataset_id)
-            self._apply(removal)
