@@ -28,6 +28,7 @@ from typing import Any
 
 import grpc
 from google.protobuf import descriptor as _descriptor
+from google.protobuf import message_factory
 
 import torch_dataservice as tds
 from torch_dataservice.proto import dispatcher_pb2, worker_pb2
@@ -85,7 +86,6 @@ def _random_value(f: Any, rng: random.Random, depth: int) -> Any:
     if f.message_type is not None:
         if depth > 3 or f.message_type.GetOptions().map_entry:
             return None
-        from google.protobuf import message_factory
         return random_message(message_factory.GetMessageClass(f.message_type), rng, depth + 1)
     if f.type == FD.TYPE_BOOL:
         return rng.random() < 0.5
@@ -137,7 +137,7 @@ def _grpc_targets(dispatcher: str, worker: str) -> list[tuple[str, str, str, Any
     targets = []
     service = dispatcher_pb2.DESCRIPTOR.services_by_name["DispatcherService"]
     for method in service.methods:
-        request_type = getattr(dispatcher_pb2, method.input_type.name)
+        request_type = message_factory.GetMessageClass(method.input_type)
         targets.append((method.name, dispatcher, f"/{service.full_name}/{method.name}",
                         request_type, False))
     for name, request_type, streaming in (
