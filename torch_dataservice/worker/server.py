@@ -18,8 +18,9 @@ from torch_dataservice.rpc import channel_to, retry
 from torch_dataservice.serving import BackgroundLoop, start_grpc_server
 from torch_dataservice.wire import inprocess
 from torch_dataservice.worker.data_port import DataPort
+from torch_dataservice.worker.messages import FinishedSplit
 from torch_dataservice.worker.service import WorkerService
-from torch_dataservice.worker.split_feed import FinishedSplit, Split
+from torch_dataservice.worker.split_feed import Split
 from torch_dataservice.worker.tasks import TaskManager
 
 logger = logging.getLogger(__name__)

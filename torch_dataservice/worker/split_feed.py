@@ -36,13 +36,12 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from torch_dataservice.errors import ServiceUnavailableError
+from torch_dataservice.worker.messages import FinishedSplit
 
 logger = logging.getLogger(__name__)
 
 # The feed's replica id in GetSplit (executor replicas would use 0, 1, ...).
 FEED_REPLICA = 1 << 20
-
-FinishedSplit = tuple[int, int, int]  # (repetition, index, elements produced)
 
 
 @dataclass(frozen=True)
