@@ -35,6 +35,7 @@ from torch_dataservice.worker.messages import (
     Stop,
     TaskError,
 )
+from torch_dataservice.worker.reorder import SplitOrder
 from torch_dataservice.worker.runners import Taken, TaskRunner, limits, make_runner
 from torch_dataservice.worker.split_feed import Split, SplitFeed
 
@@ -67,6 +68,7 @@ class Task:
     datasets: list[str] = field(default_factory=list)
     completed: bool = False  # end_of_sequence handed to a client
     runner: TaskRunner | None = None  # see _runner
+    order: SplitOrder = field(default_factory=SplitOrder)  # elements in split order
     cond: threading.Condition = field(default_factory=threading.Condition)
 
     @property
@@ -290,8 +292,17 @@ class TaskManager:
         task = self._task_for(key)
         if task is None:
             return
+        element = BufferedElement(payload, split, offset, key[1])
         with task.cond:
-            task.buffer.append(BufferedElement(payload, split, offset, key[1]))
+            if task.order.admit(key[1], split, element):
+                task.buffer.append(element)
+                task.cond.notify_all()
+
+    @staticmethod
+    def _release(task: Task, elements: list[BufferedElement]) -> None:
+        """Elements `task.order` let go, to the buffer (under task.cond)."""
+        if elements:
+            task.buffer.extend(elements)
             task.cond.notify_all()
 
     def on_end(self, key: ReplicaKey) -> None:
@@ -299,6 +310,7 @@ class TaskManager:
         if task is None:
             return
         with task.cond:
+            self._release(task, task.order.finished(key[1]))
             task.ended_replicas.add(key[1])
             task.cond.notify_all()
 
@@ -310,6 +322,7 @@ class TaskManager:
         with task.cond:
             if task.error is None:
                 task.error = error
+            self._release(task, task.order.flush())
             task.ended_replicas.add(key[1])
             task.cond.notify_all()
         self._stop_replicas(task)
@@ -324,6 +337,7 @@ class TaskManager:
         with task.cond:
             if task.error is None:
                 task.error = error
+            self._release(task, task.order.flush())
             task.cond.notify_all()
         self._stop_replicas(task)
 
@@ -332,9 +346,14 @@ class TaskManager:
         task = self._task_for(key)
         if task is None:
             return
-        slot = task.replicas[key[1]]
+        replica, slot = key[1], task.replicas[key[1]]
+        with task.cond:  # it asks after emitting all of its split: that one is finished
+            self._release(task, task.order.finished(replica))
+            if task.local_cursor is not None:  # taken and numbered at once: in cursor order
+                index = task.local_cursor.next(repetition)
+                if index is not None:
+                    self._release(task, task.order.handed(replica, (repetition, index)))
         if task.local_cursor is not None:
-            index = task.local_cursor.next(repetition)
             self._executors.send(slot, SplitReply(key, request_id, index))
             return
         if task.split_feed is None:
@@ -345,6 +364,9 @@ class TaskManager:
             if split is None:
                 self._executors.send(slot, SplitReply(key, request_id, None, (), repetition))
             else:
+                with task.cond:
+                    self._release(task, task.order.handed(
+                        replica, (split.repetition, split.index), split.handed))
                 self._executors.send(slot, SplitReply(key, request_id, split.index, split.skip,
                                                       split.repetition))
 
