@@ -60,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="bytes of the cross-trainer cache window per job (default: 1 GiB)")
     w.add_argument("--split-prefetch", type=int, default=16,
                    help="most DYNAMIC splits a task keeps in stock ahead of need (default: 16)")
+    w.add_argument("--executor-torch-threads", type=int, default=1,
+                   help="torch threads in each executor process (default: 1, as torch's "
+                        "DataLoader workers; 0 keeps torch's default)")
     return parser
 
 
@@ -101,7 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             worker_address=args.worker_address, num_processes=args.processes,
             heartbeat_interval_ms=args.heartbeat_interval_ms,
             cross_trainer_cache_bytes=args.cross_trainer_cache_bytes,
-            split_prefetch=args.split_prefetch))
+            split_prefetch=args.split_prefetch,
+            executor_torch_threads=args.executor_torch_threads or None))
         print(f"worker serving at {worker.address}", flush=True)
         _serve(worker, stop)
         if worker.refused is not None:

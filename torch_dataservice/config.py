@@ -87,7 +87,9 @@ class WorkerConfig:
 
     `worker_address` is what the dispatcher tells clients (defaults to `host:port`);
     `num_processes` is how many OS processes run pipelines (default: all cores; 0 runs them
-    in threads of this process, for debugging).
+    in threads of this process, for debugging). `executor_torch_threads`: torch's intra-op
+    threads in each of them (1, as torch's DataLoader workers: processes, not threads, use the
+    cores; None keeps torch's default).
     """
 
     dispatcher_address: str
@@ -102,6 +104,7 @@ class WorkerConfig:
     # Most DYNAMIC splits a task keeps in stock ahead of need (worker/split_feed.py sizes the
     # stock to the GetSplit latency); 0 asks only when a process needs one.
     split_prefetch: int = 16
+    executor_torch_threads: int | None = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.dispatcher_address, str) or not self.dispatcher_address:
@@ -120,6 +123,11 @@ class WorkerConfig:
             not isinstance(self.num_processes, int) or self.num_processes < 0
         ):
             raise ValueError(f"num_processes must be an int >= 0, got {self.num_processes!r}")
+        if self.executor_torch_threads is not None and (
+                not isinstance(self.executor_torch_threads, int)
+                or self.executor_torch_threads < 1):
+            raise ValueError(f"executor_torch_threads must be an int >= 1 or None, "
+                             f"got {self.executor_torch_threads!r}")
         if not isinstance(self.split_prefetch, int) or self.split_prefetch < 0:
             raise ValueError(f"split_prefetch must be an int >= 0, got {self.split_prefetch!r}")
         cache_bytes = self.cross_trainer_cache_bytes

@@ -53,10 +53,10 @@ logger = logging.getLogger(__name__)
 _EXECUTOR_BOOT = (
     "import sys\n"
     # The parent's import path (as multiprocessing's spawn does): its modules import here too.
-    "sys.path[:0] = sys.argv[2:]\n"
+    "sys.path[:0] = sys.argv[3:]\n"
     "from multiprocessing.connection import Connection\n"
     "from torch_dataservice.worker.executor_process import executor_main\n"
-    "executor_main(Connection(int(sys.argv[1])))\n"
+    "executor_main(Connection(int(sys.argv[1])), torch_threads=int(sys.argv[2]) or None)\n"
     # Skip interpreter teardown: with torch loaded it takes seconds, and a worker waits for it.
     "sys.stdout.flush(); sys.stderr.flush()\n"
     "import os; os._exit(0)\n"
@@ -79,7 +79,7 @@ class ExecutorListener(Protocol):
 class _Slot:
     """One executor (process or thread) and the connection to it."""
 
-    def __init__(self, index: int, use_process: bool) -> None:
+    def __init__(self, index: int, use_process: bool, torch_threads: int | None) -> None:
         self.index = index
         self.conn: Connection
         self.process: Any = None
@@ -94,7 +94,8 @@ class _Slot:
             self.conn = Connection(ours_sock.detach())
             child_fd = theirs_sock.fileno()
             self.process = subprocess.Popen(
-                [sys.executable, "-c", _EXECUTOR_BOOT, str(child_fd), *sys.path],
+                [sys.executable, "-c", _EXECUTOR_BOOT, str(child_fd), str(torch_threads or 0),
+                 *sys.path],
                 pass_fds=(child_fd,), stdin=subprocess.DEVNULL)
             theirs_sock.close()
         else:
@@ -145,8 +146,11 @@ class _Slot:
 
 
 class ExecutorPool:
-    def __init__(self, num_processes: int, listener: ExecutorListener) -> None:
+    def __init__(self, num_processes: int, listener: ExecutorListener,
+                 torch_threads: int | None = 1) -> None:
         self._use_processes = num_processes > 0
+        # Set in executor processes only: a thread executor shares this process's torch.
+        self._torch_threads = torch_threads
         self._size = max(1, num_processes)
         self._listener = listener
         self._slots: list[_Slot] = []
@@ -162,7 +166,7 @@ class ExecutorPool:
             self._start_slot(index)
 
     def _start_slot(self, index: int) -> None:
-        slot = _Slot(index, self._use_processes)
+        slot = _Slot(index, self._use_processes, self._torch_threads)
         with self._lock:
             if index < len(self._slots):
                 self._slots[index] = slot

@@ -444,10 +444,17 @@ class ExecutorLoop:
 _BATCHED: dict[type, type] = {_Small: SmallElements, _Local: LocalElements}
 
 
-def executor_main(conn: Connection, local: LocalChannel | None = None) -> None:
+def executor_main(conn: Connection, local: LocalChannel | None = None,
+                  torch_threads: int | None = None) -> None:
     """Entry point of an executor process, or of a thread (num_processes=0) with `local`, the
-    channel its elements reach the front on as objects."""
+    channel its elements reach the front on as objects. `torch_threads`: torch's intra-op
+    threads here (WorkerConfig.executor_torch_threads; a process's cores are shared with the
+    other executors, as torch's DataLoader sets one thread in its workers)."""
     logging.basicConfig(level=logging.WARNING)
+    if torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(torch_threads)
     try:
         ExecutorLoop(conn, local).run()
     finally:

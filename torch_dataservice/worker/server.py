@@ -80,7 +80,8 @@ class WorkerServer:
         self._tasks = TaskManager(self._dataset, self._get_split, self._report_completed,
                                   self._config.effective_num_processes,
                                   forget_dataset=self._forget_dataset,
-                                  split_prefetch=self._config.split_prefetch)
+                                  split_prefetch=self._config.split_prefetch,
+                                  executor_torch_threads=self._config.executor_torch_threads)
         self._tasks.cross_trainer_cache_bytes = self._config.cross_trainer_cache_bytes
         try:
             self._tasks.start()  # spawn executors before gRPC starts its threads

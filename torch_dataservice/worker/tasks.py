@@ -94,6 +94,7 @@ class TaskManager:
         # The front's cache of dataset definitions: drop one (see _release_unused).
         forget_dataset: Callable[[str], None] = lambda dataset_id: None,
         split_prefetch: int = 16,  # WorkerConfig.split_prefetch
+        executor_torch_threads: int | None = 1,  # WorkerConfig.executor_torch_threads
     ) -> None:
         self._get_dataset = get_dataset
         self._forget_dataset = forget_dataset
@@ -102,7 +103,7 @@ class TaskManager:
         self._lock = threading.Lock()
         self._tasks: dict[int, Task] = {}
         self._finished: set[int] = set()
-        self._executors = ExecutorPool(num_executors, self)
+        self._executors = ExecutorPool(num_executors, self, executor_torch_threads)
         self._split_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="get-split")
         self._split_prefetch = split_prefetch
         self.cross_trainer_cache_bytes = 1 << 30  # WorkerConfig.cross_trainer_cache_bytes
