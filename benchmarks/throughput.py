@@ -12,7 +12,8 @@ same run:
       compression None and "AUTO"                 vs  raw TCP loopback between two processes
   (c) a CPU-bound pure-Python map (~5 ms/element) with num_processes=1 and =2
                                                   vs  the same map run locally
-  (d) a tensor-op map (~2 ms of torch matmuls, one torch thread) on 2 executor processes
+  (d) a tensor-op map (~2 ms of torch matmuls, one torch thread) on 2 executor processes,
+      returning a 16 KB tensor, and the same returning a float
                                                   vs  torch's DataLoader(num_workers=2) over
                                                       the same map, element by element
 
@@ -350,10 +351,11 @@ def _time(fn: Callable[[int], object]) -> float:
 
 class MatmulMap:
     """A tensor-op map: `loops` 96x96 matmuls on one torch thread (as torch's DataLoader workers
-    run); returns a 64x64 float32 tensor (16 KB)."""
+    run); returns a 64x64 float32 tensor (16 KB), or one float of it with `scalar`."""
 
-    def __init__(self, loops: int) -> None:
+    def __init__(self, loops: int, scalar: bool = False) -> None:
         self.loops = loops
+        self.scalar = scalar
 
     def __call__(self, index: int):
         import torch
@@ -362,7 +364,7 @@ class MatmulMap:
         a = torch.full((96, 96), 1.0 / (1 + index % 7))
         for _ in range(self.loops):
             a = torch.tanh(a @ a)
-        return a[:64, :64].contiguous()
+        return float(a[0, 0]) if self.scalar else a[:64, :64].contiguous()
 
     # torch's DataLoader reads a map-style dataset: the same map as __getitem__.
     def __getitem__(self, index: int):
@@ -423,40 +425,50 @@ def metered_read(elements: Iterator, warmup: int, pids: list[int]) -> tuple[floa
 
 
 def run_tensor_map(settings: Settings, rounds: int, cluster: Cluster, log: Callable
-                   ) -> tuple[float, float, float, float]:
-    """(ours, torch) elements/s of the tensor-op map, best of `rounds` interleaved rounds, and
-    (ours, torch) ms of CPU per element over every process involved (least of the rounds)."""
+                   ) -> dict[str, float]:
+    """Elements/s of the tensor-op map (best of `rounds` interleaved rounds) and ms of CPU per
+    element over every process involved (least of the rounds): ours and torch's DataLoader,
+    for each output ("tensor", "float")."""
+    import torch
+
+    loops = calibrate_matmul(TENSOR_MAP_MS)
+    best: dict[str, float] = {}
+    for output in ("tensor", "float"):
+        fn = MatmulMap(loops, scalar=output == "float")
+        for key, value in _tensor_map_rounds(settings, rounds, cluster, fn).items():
+            best[f"{output}/{key}"] = value
+        log(f"(d) {output}: service {best[f'{output}/ours']:,.0f}/s "
+            f"({best[f'{output}/ours_cpu']:.2f} ms CPU/element), torch DataLoader "
+            f"{best[f'{output}/torch']:,.0f}/s ({best[f'{output}/torch_cpu']:.2f} ms CPU/"
+            f"element); {loops} matmuls, torch {torch.__version__}")
+    return best
+
+
+def _tensor_map_rounds(settings: Settings, rounds: int, cluster: Cluster, fn: MatmulMap
+                       ) -> dict[str, float]:
     import itertools
 
-    import torch
     from torch.utils.data import DataLoader
 
     import torch_dataservice as tds
 
-    loops = calibrate_matmul(TENSOR_MAP_MS)
-    fn = MatmulMap(loops)
     n = settings.tensor_elements
     loader = DataLoader(fn, batch_size=None, num_workers=2, persistent_workers=True,
                         sampler=range(10**9))
     loader_iter = iter(loader)
     next(loader_iter)  # start its workers
     torch_pids = [w.pid for w in loader_iter._workers]  # noqa: SLF001
-    service_pids = cluster.pids
-    ours = theirs = 0.0
-    ours_cpu = theirs_cpu = float("inf")
-    for round_index in range(rounds):
+    best = {"ours": 0.0, "torch": 0.0, "ours_cpu": float("inf"), "torch_cpu": float("inf")}
+    for _ in range(rounds):
         rate, cpu = metered_read(itertools.islice(loader_iter, n + settings.warmup),
                                  settings.warmup, torch_pids)
-        theirs, theirs_cpu = max(theirs, rate), min(theirs_cpu, cpu)
+        best["torch"], best["torch_cpu"] = max(best["torch"], rate), min(best["torch_cpu"], cpu)
         pipeline = tds.Pipeline.range(settings.warmup + n).map(fn)
         rate, cpu = metered_read(service_reader(cluster.address, pipeline, None),
-                                 settings.warmup, service_pids)
-        ours, ours_cpu = max(ours, rate), min(ours_cpu, cpu)
-        log(f"round {round_index + 1}/{rounds} of (d): best so far: service {ours:,.0f}/s "
-            f"({ours_cpu:.2f} ms CPU/element), torch DataLoader {theirs:,.0f}/s "
-            f"({theirs_cpu:.2f} ms CPU/element); {loops} matmuls, torch {torch.__version__}")
+                                 settings.warmup, cluster.pids)
+        best["ours"], best["ours_cpu"] = max(best["ours"], rate), min(best["ours_cpu"], cpu)
     del loader_iter
-    return ours, theirs, ours_cpu, theirs_cpu
+    return best
 
 
 def service_reader(address: str, pipeline, compression: str | None) -> Iterator:
@@ -616,8 +628,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"2 processes {base['bare2']:,.1f}/s")
 
         if "d" in sections:
-            ours["tensor"], base["torch"], ours["tensor_cpu"], base["torch_cpu"] = \
-                run_tensor_map(settings, rounds, clusters[2], log)
+            tensor_map = run_tensor_map(settings, rounds, clusters[2], log)
 
     if "a" in sections:
         rows.append(Row("(a) tiny elements", ours["tiny"], "elem/s", "gRPC unary RTT",
@@ -647,14 +658,16 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(Row("(c) bare 2 proc vs 1", base["bare2"], "elem/s", "bare 1 proc",
                         base["bare1"], "elem/s", base["bare2"] / base["bare1"], "x", None))
 
-    if "d" in sections:
-        rows.append(Row("(d) tensor map, 2 proc", ours["tensor"], "elem/s",
-                        "torch DataLoader x2", base["torch"], "elem/s",
-                        ours["tensor"] / base["torch"], "x", 0.95))
-        if base["torch_cpu"]:  # CPU per element of every process: what a busy machine hides
-            rows.append(Row("(d) CPU ms/element", ours["tensor_cpu"], "ms", "torch DataLoader",
-                            base["torch_cpu"], "ms", base["torch_cpu"] / ours["tensor_cpu"],
-                            "x", None))
+    for output in ("tensor", "float") if "d" in sections else ():
+        got = {key.split("/")[1]: value for key, value in tensor_map.items()
+               if key.startswith(output)}
+        rows.append(Row(f"(d) {output} map, 2 proc", got["ours"], "elem/s",
+                        "torch DataLoader x2", got["torch"], "elem/s",
+                        got["ours"] / got["torch"], "x", 0.95))
+        if got["torch_cpu"]:  # CPU per element of every process: what a busy machine hides
+            rows.append(Row(f"(d) {output} CPU/element", got["ours_cpu"], "ms",
+                            "torch DataLoader", got["torch_cpu"], "ms",
+                            got["torch_cpu"] / got["ours_cpu"], "x", None))
 
     tf_results = run_tensorflow(settings, spin_loops, log) if sections - {"d"} else {}
     comparisons = [("tiny", "tiny", "tiny elements", "elem/s")]

@@ -29,6 +29,7 @@ from torch_dataservice.worker.executor_process import executor_main
 from torch_dataservice.worker.local import LocalChannel
 from torch_dataservice.worker.messages import (
     BigElement,
+    Blocked,
     Dataset,
     End,
     Failed,
@@ -72,6 +73,8 @@ class ExecutorListener(Protocol):
     def on_error(self, key: ReplicaKey, error: TaskError) -> None: ...
 
     def on_get_split(self, request: SplitRequest) -> None: ...
+
+    def on_blocked(self, key: ReplicaKey) -> None: ...
 
     def on_executor_lost(self, slot: int) -> None: ...
 
@@ -215,6 +218,8 @@ class ExecutorPool:
                 listener.on_error(key, error)
             case SplitRequest():
                 listener.on_get_split(message)
+            case Blocked(key):
+                listener.on_blocked(key)
             case _:
                 logger.warning("unknown message from executor %d: %r", slot.index,
                                type(message).__name__)

@@ -21,6 +21,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from torch_dataservice.worker import shm
 from torch_dataservice.worker.local import LocalChannel
 from torch_dataservice.worker.messages import (
     BigElement,
+    Blocked,
     Credit,
     Dataset,
     End,
@@ -69,6 +71,10 @@ LOCAL_CREDITS = 64
 MAX_BYTES_IN_FLIGHT = 64 << 20
 # Larger payloads skip pickling and go as raw bytes after their header (see send_element).
 INLINE_PAYLOAD_BYTES = 64 << 10
+# A replica whose elements come at least this far apart writes each small one itself (no hand
+# -off to the sender thread and no wake-up of it per element); faster ones are left to the
+# sender, which writes all those queued meanwhile as one message.
+SLOW_ELEMENT_S = 0.0005
 # Payloads up to this size are copied once and sent in the background; larger ones are written
 # from the element's own memory while the replica waits (a copy would cost more than the wait).
 COPY_PAYLOAD_BYTES = 8 << 20
@@ -101,7 +107,7 @@ class _Segment:
     fd: int | None  # a new segment's, sent after the header (SCM_RIGHTS)
 
 
-_Outgoing = _Small | _Local | _Big | _Segment | End | Failed | SplitRequest
+_Outgoing = _Small | _Local | _Big | _Segment | End | Failed | SplitRequest | Blocked
 
 
 class _Replica:
@@ -117,6 +123,7 @@ class _Replica:
         self._credits = credits
         self._in_flight: deque[int] = deque()  # sizes of elements sent and not credited back
         self._bytes_in_flight = 0
+        self._said_blocked = False  # the front was told this replica waits for credits
         self._cond = threading.Condition()
         self._stopped = False
         self._split_replies: dict[int, SplitReply] = {}
@@ -140,6 +147,7 @@ class _Replica:
     def add_credits(self, n: int) -> None:
         with self._cond:
             self._credits += n
+            self._said_blocked = False
             # Credits say how many, not which: the oldest elements are the ones handed out
             # first, and in any case the bytes return to 0 when every element is credited.
             for _ in range(min(n, len(self._in_flight))):
@@ -165,7 +173,8 @@ class _Replica:
             finished = FinishedSplit(*self._holding, self._produced.pop(self._holding, 0))
             self._skip.pop(self._holding, None)
             self._holding = None
-        self._executor.send(SplitRequest(self.key, request_id, repetition, finished))
+        # Written right away: this replica waits for the answer.
+        self._executor.send(SplitRequest(self.key, request_id, repetition, finished), inline=True)
         with self._cond:
             while request_id not in self._split_replies:
                 if self._stopped:
@@ -185,6 +194,9 @@ class _Replica:
         with self._cond:
             while not self._stopped and (self._credits <= 0 or (
                     self._in_flight and self._bytes_in_flight + size > MAX_BYTES_IN_FLIGHT)):
+                if not self._said_blocked:  # the front batches credits: ask for them now
+                    self._said_blocked = True
+                    self._executor.send(Blocked(self.key))
                 self._cond.wait(1.0)
             if self._stopped:
                 raise _Stopped
@@ -197,6 +209,7 @@ class _Replica:
         try:
             last_split = None
             offset = 0
+            last_sent = time.monotonic()
             elements: Iterator[Any] = self._pipeline.iterate(ctx)
             for element in elements:
                 # The source sets ctx.current_split right after get_split returns a split (on
@@ -222,7 +235,10 @@ class _Replica:
                 parts = codec.encode(element, self._compression)
                 size = codec.payload_size(parts)
                 self._take_credit(size)
-                self._executor.send_element(self.key, wire_split, offset, parts, size)
+                now = time.monotonic()
+                self._executor.send_element(self.key, wire_split, offset, parts, size,
+                                            slow=now - last_sent >= SLOW_ELEMENT_S)
+                last_sent = now
             self._executor.send(End(self.key))
         except _Stopped:
             pass
@@ -250,6 +266,7 @@ class ExecutorLoop:
         # None stops the sender.
         self._outbox: deque[_Outgoing | None] = deque()
         self._outbox_ready = threading.Condition()
+        self._writing = False  # a thread (the sender or an inline writer) writes the outbox
         # Big payloads go through shared memory when the connection is a Unix socket (it
         # carries the segments' file descriptors).
         self._sock: socket.socket | None = None
@@ -264,11 +281,25 @@ class ExecutorLoop:
                                         daemon=True)
         self._sender.start()
 
-    def send(self, message: _Outgoing | None) -> None:
-        """Queue `message` for the front (None: stop the sender after what is queued)."""
+    def send(self, message: _Outgoing | None, inline: bool = False) -> None:
+        """Queue `message` for the front (None: stop the sender after what is queued). With
+        `inline`, write it (and what is queued) on this thread if nobody is writing."""
         with self._outbox_ready:
             self._outbox.append(message)
-            self._outbox_ready.notify()
+            if not inline or self._writing:
+                self._outbox_ready.notify()
+                return
+            self._writing = True
+            messages = list(self._outbox)
+            self._outbox.clear()
+        try:
+            self._write(messages)
+        except (OSError, ValueError):  # the front is gone; the receive loop ends too
+            pass
+        finally:
+            with self._outbox_ready:
+                self._writing = False
+                self._outbox_ready.notify()  # the sender writes what came meanwhile
 
     def send_local(self, key: ReplicaKey, split: tuple[int, int] | None, offset: int,
                    element: LocalElement) -> None:
@@ -278,9 +309,10 @@ class ExecutorLoop:
         self.send(_Local((key, split, offset, self.local.put(element))))
 
     def send_element(self, key: ReplicaKey, split: tuple[int, int] | None, offset: int,
-                     parts: list[codec.Part], size: int) -> None:
+                     parts: list[codec.Part], size: int, slow: bool = False) -> None:
+        """Send an encoded element; a `slow` replica's small one is written right away."""
         if size <= INLINE_PAYLOAD_BYTES:
-            self.send(_Small((key, split, offset, b"".join(parts))))
+            self.send(_Small((key, split, offset, b"".join(parts))), inline=slow)
             return
         if self._segments is not None and size >= shm.SHM_PAYLOAD_BYTES:
             # One copy into shared memory, and the replica is free: the front maps it.
@@ -306,14 +338,17 @@ class ExecutorLoop:
     def _send_loop(self) -> None:
         while True:
             with self._outbox_ready:
-                while not self._outbox:
+                while not self._outbox or self._writing:
                     self._outbox_ready.wait()
+                self._writing = True
                 messages = list(self._outbox)
                 self._outbox.clear()
             try:
                 done = self._write(messages)
             except (OSError, ValueError):  # the front is gone; the receive loop ends too
                 done = True
+            with self._outbox_ready:
+                self._writing = False
             if done:
                 for message in messages:  # nobody waits forever for a big element
                     if isinstance(message, _Big) and message.written is not None:

@@ -15,6 +15,7 @@ front -> executor                            executor -> front
   FreeSegment   a segment may be reused                        a new segment, its fd follows
   Shutdown      end the executor               End / Failed    a replica ended / failed
                                                SplitRequest    a replica wants its next split
+                                               Blocked         a replica waits for credits
 """
 
 from __future__ import annotations
@@ -131,6 +132,12 @@ class Failed(NamedTuple):
     error: TaskError
 
 
+class Blocked(NamedTuple):
+    """The replica ran out of credits (worker/flow.py): it waits for the front to send some."""
+
+    key: ReplicaKey
+
+
 class SplitRequest(NamedTuple):
     key: ReplicaKey
     request_id: int
@@ -140,7 +147,7 @@ class SplitRequest(NamedTuple):
 
 ToExecutor = Dataset | Release | Start | Credit | SplitReply | Stop | FreeSegment | Shutdown
 FromExecutor = (SmallElements | LocalElements | BigElement | SegmentElement | End | Failed
-                | SplitRequest)
+                | SplitRequest | Blocked)
 
 
 # ------------------------------------------------------------------ raw payload bytes

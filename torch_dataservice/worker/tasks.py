@@ -2,9 +2,10 @@
 
 A task is started lazily, on the first fetch (a task nobody reads costs nothing and takes no
 splits). It runs as one or more replicas in the executor processes, as its sharding plan says
-(pipeline/sharding.py); their encoded elements meet in one bounded buffer, which the task's
-runner (worker/runners.py) hands out. Every element handed out returns a credit to the replica
-that made it, which is the back-pressure.
+(pipeline/sharding.py); their encoded elements meet in one bounded buffer, in split order
+(worker/reorder.py), which the task's runner (worker/runners.py) hands out. Every element
+handed out returns a credit to the replica that made it, which is the back-pressure; credits
+travel in batches and fetches wait a moment for fuller replies (worker/flow.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch_dataservice.pipeline.split_cursor import LocalSplitCursor
 from torch_dataservice.proto import common_pb2, worker_pb2
 from torch_dataservice.wire.inprocess import payload_nbytes
 from torch_dataservice.worker.executor import ExecutorPool
+from torch_dataservice.worker.flow import LINGER_ELEMENTS, LINGER_S, Arrivals, CreditLedger
 from torch_dataservice.worker.local import encode_elements
 from torch_dataservice.worker.messages import (
     Credit,
@@ -69,6 +71,10 @@ class Task:
     completed: bool = False  # end_of_sequence handed to a client
     runner: TaskRunner | None = None  # see _runner
     order: SplitOrder = field(default_factory=SplitOrder)  # elements in split order
+    credits: CreditLedger = field(default_factory=CreditLedger)
+    arrivals: Arrivals = field(default_factory=Arrivals)
+    # Buffer sizes fetches wait for: elements wake them only on reaching one (not each).
+    wants: list[int] = field(default_factory=list)
     cond: threading.Condition = field(default_factory=threading.Condition)
 
     @property
@@ -77,6 +83,24 @@ class Task:
 
     def exhausted(self) -> bool:
         return self.started and len(self.ended_replicas) == len(self.replicas) and not self.buffer
+
+    def running(self) -> bool:
+        """Elements may still come: a replica runs and nothing failed."""
+        return self.error is None and len(self.ended_replicas) < len(self.replicas)
+
+    def wait(self, want: int, timeout_s: float) -> None:
+        """Wait (under cond) until the buffer holds `want` elements, something ends, or
+        `timeout_s` passed."""
+        self.wants.append(want)
+        try:
+            self.cond.wait(timeout_s)
+        finally:
+            self.wants.remove(want)
+
+    def wake(self) -> None:
+        """Wake the fetches whose wait is over (under cond), after elements were added."""
+        if self.wants and len(self.buffer) >= min(self.wants):
+            self.cond.notify_all()
 
 
 class TaskManager:
@@ -256,33 +280,49 @@ class TaskManager:
                 return Taken([], True, None)
             raise LookupError(task_id)
         self._ensure_started(task)
-        deadline = time.monotonic() + wait_s
-        taken: list[BufferedElement] = []
         with task.cond:
-            while not task.buffer and task.error is None and not task.exhausted():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return Taken([], False, None)
-                task.cond.wait(remaining)
+            if not self._wait_for_elements(task, min(max_elements, LINGER_ELEMENTS), wait_s):
+                return Taken([], False, None)
+            taken: list[BufferedElement] = []
             size = 0
             while task.buffer and len(taken) < max_elements and (not taken or size < max_bytes):
                 element = task.buffer.popleft()
                 taken.append(element)
-                size += payload_nbytes(element.payload)
+                element_size = payload_nbytes(element.payload)
+                size += element_size
+                if element.replica not in task.ended_replicas:
+                    task.credits.taken(element.replica, element_size)
             error = task.error if not task.buffer else None
             end = task.exhausted() and error is None
             first_completion = end and not task.completed
             if end:
                 task.completed = True
-        credits: dict[int, int] = {}
-        for element in taken:
-            credits[element.replica] = credits.get(element.replica, 0) + 1
-        for replica, n in credits.items():
-            if replica not in task.ended_replicas:
-                self._executors.send(task.replicas[replica], Credit((task_id, replica), n))
+            due = task.credits.due()
+        for replica, n in due:
+            self._executors.send(task.replicas[replica], Credit((task_id, replica), n))
         if first_completion:
             self._report_completed(task_id)
         return Taken(taken, end and not taken, error)
+
+    @staticmethod
+    def _wait_for_elements(task: Task, want: int, wait_s: float) -> bool:
+        """Under task.cond: wait up to `wait_s` for an element (or the end, or an error), then,
+        if elements come steadily, up to LINGER_S more for `want` of them (a fuller reply).
+        False: nothing came in time."""
+        deadline = time.monotonic() + wait_s
+        while not task.buffer and task.error is None and not task.exhausted():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            task.wait(1, remaining)
+        if len(task.buffer) < want and task.running() and task.arrivals.steady():
+            deadline = min(deadline, time.monotonic() + LINGER_S)
+            while len(task.buffer) < want and task.running():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                task.wait(want, remaining)
+        return True
 
     # ------------------------------------------------------------------ executor listener
     def _task_for(self, key: ReplicaKey) -> Task | None:
@@ -294,17 +334,29 @@ class TaskManager:
         if task is None:
             return
         element = BufferedElement(payload, split, offset, key[1])
+        now = time.monotonic()
         with task.cond:
+            task.arrivals.note(now)
             if task.order.admit(key[1], split, element):
                 task.buffer.append(element)
-                task.cond.notify_all()
+                task.wake()
 
     @staticmethod
     def _release(task: Task, elements: list[BufferedElement]) -> None:
         """Elements `task.order` let go, to the buffer (under task.cond)."""
         if elements:
             task.buffer.extend(elements)
-            task.cond.notify_all()
+            task.wake()
+
+    def on_blocked(self, key: ReplicaKey) -> None:
+        """A replica waits for credits: it gets those it is owed now, or its next one."""
+        task = self._task_for(key)
+        if task is None:
+            return
+        with task.cond:
+            n = task.credits.blocked(key[1])
+        if n:
+            self._executors.send(task.replicas[key[1]], Credit(key, n))
 
     def on_end(self, key: ReplicaKey) -> None:
         task = self._task_for(key)
@@ -313,6 +365,7 @@ class TaskManager:
         with task.cond:
             self._release(task, task.order.finished(key[1]))
             task.ended_replicas.add(key[1])
+            task.credits.ended(key[1])
             task.cond.notify_all()
 
     def on_error(self, key: ReplicaKey, error: TaskError) -> None:
@@ -325,6 +378,7 @@ class TaskManager:
                 task.error = error
             self._release(task, task.order.flush())
             task.ended_replicas.add(key[1])
+            task.credits.ended(key[1])
             task.cond.notify_all()
         self._stop_replicas(task)
 
