@@ -12,6 +12,10 @@ same run:
       compression None and "AUTO"                 vs  raw TCP loopback between two processes
   (c) a CPU-bound pure-Python map (~5 ms/element) with num_processes=1 and =2
                                                   vs  the same map run locally
+  (d) a tensor-op map (~2 ms of torch matmuls, one torch thread) on 2 executor processes,
+      returning a 16 KB tensor, and the same returning a float
+                                                  vs  torch's DataLoader(num_workers=2) over
+                                                      the same map, element by element
 
 Two more reference rows say what the machine itself allowed during the run: bare gRPC moving
 16 MB replies (the ceiling of any gRPC data path), and the map in 2 plain processes vs 1 (what
@@ -47,6 +51,7 @@ if ROOT not in sys.path:  # run as a script from a checkout without installing
 
 MB = 10**6
 MAP_MS = 5.0  # target cost of one element of the CPU-bound map
+TENSOR_MAP_MS = 2.0  # target cost of one element of the tensor-op map
 TARGET_WORKERS = "AUTO"  # --target-workers
 METRICS = False  # --metrics: servers expose /metrics and a thread scrapes them every 0.5 s
 
@@ -60,12 +65,14 @@ class Settings:
     tcp_bytes_total: int
     map_elements: int  # per worker process
     warmup: int
+    tensor_elements: int  # per round of (d), for each loader
 
 
 QUICK = Settings(rounds=2, seconds=1.0, tiny_elements=30_000, big_bytes_total=300 * MB,
-                 tcp_bytes_total=600 * MB, map_elements=80, warmup=10)
+                 tcp_bytes_total=600 * MB, map_elements=80, warmup=10, tensor_elements=800)
 FULL = Settings(rounds=4, seconds=3.0, tiny_elements=200_000, big_bytes_total=1_600 * MB,
-                tcp_bytes_total=3_200 * MB, map_elements=400, warmup=20)
+                tcp_bytes_total=3_200 * MB, map_elements=400, warmup=20,
+                tensor_elements=3000)
 
 
 @dataclass
@@ -216,6 +223,11 @@ class Cluster:
                 with contextlib.suppress(OSError):
                     urllib.request.urlopen(f"http://localhost:{port}/metrics", timeout=2).read()
 
+    @property
+    def pids(self) -> list[int]:
+        """The servers' process ids (their executors are their children)."""
+        return [proc.pid for proc in self._procs]
+
     def _spawn(self, args: list[str], ready: str, env: dict) -> str:
         proc = subprocess.Popen(
             [sys.executable, "-m", "torch_dataservice", "--log-level", "WARNING", *args],
@@ -361,6 +373,128 @@ def _time(fn: Callable[[int], object]) -> float:
     return time.perf_counter() - start
 
 
+class MatmulMap:
+    """A tensor-op map: `loops` 96x96 matmuls on one torch thread (as torch's DataLoader workers
+    run); returns a 64x64 float32 tensor (16 KB), or one float of it with `scalar`."""
+
+    def __init__(self, loops: int, scalar: bool = False) -> None:
+        self.loops = loops
+        self.scalar = scalar
+
+    def __call__(self, index: int):
+        import torch
+
+        torch.set_num_threads(1)
+        a = torch.full((96, 96), 1.0 / (1 + index % 7))
+        for _ in range(self.loops):
+            a = torch.tanh(a @ a)
+        return float(a[0, 0]) if self.scalar else a[:64, :64].contiguous()
+
+    # torch's DataLoader reads a map-style dataset: the same map as __getitem__.
+    def __getitem__(self, index: int):
+        return self(index)
+
+    def __len__(self) -> int:
+        return 1 << 30
+
+
+def calibrate_matmul(ms: float) -> int:
+    """Matmuls for ~`ms` of CPU per element (process CPU time: robust to a busy machine)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    loops = 50
+    MatmulMap(loops)(0)  # warm up
+    best = min(_cpu_time(MatmulMap(loops)) for _ in range(5))
+    torch.set_num_threads(threads)
+    return max(1, round(loops * ms / 1000 / best))
+
+
+def _cpu_time(fn: Callable[[int], object]) -> float:
+    start = time.process_time()
+    fn(0)
+    return time.process_time() - start
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU time (user + system) so far of this process (not its children), `pids` and their
+    descendants; 0 without psutil (an optional extra)."""
+    try:
+        import psutil
+    except ImportError:
+        return 0.0
+    own = psutil.Process().cpu_times()
+    total = own.user + own.system
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            for proc in (root, *root.children(recursive=True)):
+                times = proc.cpu_times()
+                total += times.user + times.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def metered_read(elements: Iterator, warmup: int, pids: list[int]) -> tuple[float, float]:
+    """(elements/s, ms of CPU per element over `pids`) of `elements` after `warmup`."""
+    count = 0
+    cpu = 0.0
+    for count, _ in enumerate(elements, 1):
+        if count == warmup:
+            cpu, start = cpu_seconds(pids), time.perf_counter()
+    elapsed = time.perf_counter() - start
+    done = count - warmup
+    return done / elapsed, 1000 * (cpu_seconds(pids) - cpu) / done
+
+
+def run_tensor_map(settings: Settings, rounds: int, cluster: Cluster, log: Callable
+                   ) -> dict[str, float]:
+    """Elements/s of the tensor-op map (best of `rounds` interleaved rounds) and ms of CPU per
+    element over every process involved (least of the rounds): ours and torch's DataLoader,
+    for each output ("tensor", "float")."""
+    import torch
+
+    loops = calibrate_matmul(TENSOR_MAP_MS)
+    best: dict[str, float] = {}
+    for output in ("tensor", "float"):
+        fn = MatmulMap(loops, scalar=output == "float")
+        for key, value in _tensor_map_rounds(settings, rounds, cluster, fn).items():
+            best[f"{output}/{key}"] = value
+        log(f"(d) {output}: service {best[f'{output}/ours']:,.0f}/s "
+            f"({best[f'{output}/ours_cpu']:.2f} ms CPU/element), torch DataLoader "
+            f"{best[f'{output}/torch']:,.0f}/s ({best[f'{output}/torch_cpu']:.2f} ms CPU/"
+            f"element); {loops} matmuls, torch {torch.__version__}")
+    return best
+
+
+def _tensor_map_rounds(settings: Settings, rounds: int, cluster: Cluster, fn: MatmulMap
+                       ) -> dict[str, float]:
+    import itertools
+
+    from torch.utils.data import DataLoader
+
+    import torch_dataservice as tds
+
+    n = settings.tensor_elements
+    loader = DataLoader(fn, batch_size=None, num_workers=2, persistent_workers=True,
+                        sampler=range(10**9))
+    loader_iter = iter(loader)
+    next(loader_iter)  # start its workers
+    torch_pids = [w.pid for w in loader_iter._workers]  # noqa: SLF001
+    best = {"ours": 0.0, "torch": 0.0, "ours_cpu": float("inf"), "torch_cpu": float("inf")}
+    for _ in range(rounds):
+        rate, cpu = metered_read(itertools.islice(loader_iter, n + settings.warmup),
+                                 settings.warmup, torch_pids)
+        best["torch"], best["torch_cpu"] = max(best["torch"], rate), min(best["torch_cpu"], cpu)
+        pipeline = tds.Pipeline.range(settings.warmup + n).map(fn)
+        rate, cpu = metered_read(service_reader(cluster.address, pipeline, None),
+                                 settings.warmup, cluster.pids)
+        best["ours"], best["ours_cpu"] = max(best["ours"], rate), min(best["ours_cpu"], cpu)
+    del loader_iter
+    return best
+
+
 def service_reader(address: str, pipeline, compression: str | None) -> Iterator:
     import torch_dataservice as tds
 
@@ -435,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="measurements of each figure (default: 2 quick, 4 full)")
     parser.add_argument("--processes", type=int, default=1,
                         help="executor processes of the worker for (a) and (b) (default 1)")
-    parser.add_argument("--only", choices=("a", "b", "c"), action="append",
+    parser.add_argument("--only", choices=("a", "b", "c", "d"), action="append",
                         help="run only these sections (repeatable)")
     parser.add_argument("--target-workers", choices=("AUTO", "ANY"), default="AUTO",
                         help="AUTO reads the worker through its Unix socket (same host), ANY "
@@ -449,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
     METRICS = args.metrics
     settings = QUICK if args.quick else FULL
     rounds = args.rounds or settings.rounds
-    sections = set(args.only or ("a", "b", "c"))
+    sections = set(args.only or ("a", "b", "c", "d"))
     began = time.perf_counter()
 
     import torch
@@ -468,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
     base: dict = {}  # baseline key -> best value
 
     needed = ({args.processes} if sections & {"a", "b"} else set()) | (
-        {1, 2} if "c" in sections else set())
+        {1, 2} if "c" in sections else set()) | ({2} if "d" in sections else set())
     with contextlib.ExitStack() as stack:
         clusters = start_clusters(sorted(needed), stack)
         if sections & {"a", "b"}:
@@ -521,6 +655,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"{ours['map2']:,.1f}/s; bare 1 process {base['bare1']:,.1f}/s, "
                     f"2 processes {base['bare2']:,.1f}/s")
 
+        if "d" in sections:
+            tensor_map = run_tensor_map(settings, rounds, clusters[2], log)
+
     if "a" in sections:
         rows.append(Row("(a) tiny elements", ours["tiny"], "elem/s", "gRPC unary RTT",
                         base["rtt"], "call/s", ours["tiny"] / base["rtt"], "x", 10.0))
@@ -549,7 +686,18 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(Row("(c) bare 2 proc vs 1", base["bare2"], "elem/s", "bare 1 proc",
                         base["bare1"], "elem/s", base["bare2"] / base["bare1"], "x", None))
 
-    tf_results = run_tensorflow(settings, spin_loops, log)
+    for output in ("tensor", "float") if "d" in sections else ():
+        got = {key.split("/")[1]: value for key, value in tensor_map.items()
+               if key.startswith(output)}
+        rows.append(Row(f"(d) {output} map, 2 proc", got["ours"], "elem/s",
+                        "torch DataLoader x2", got["torch"], "elem/s",
+                        got["ours"] / got["torch"], "x", 0.95))
+        if got["torch_cpu"]:  # CPU per element of every process: what a busy machine hides
+            rows.append(Row(f"(d) {output} CPU/element", got["ours_cpu"], "ms",
+                            "torch DataLoader", got["torch_cpu"], "ms",
+                            got["torch_cpu"] / got["ours_cpu"], "x", None))
+
+    tf_results = run_tensorflow(settings, spin_loops, log) if sections - {"d"} else {}
     comparisons = [("tiny", "tiny", "tiny elements", "elem/s")]
     comparisons += [((size, c), f"{size // MB}MB/{c}", f"{size // MB} MB, {c}", "MB/s")
                     for size in (1 * MB, 16 * MB) for c in (None, "AUTO")]
@@ -568,8 +716,9 @@ def main(argv: list[str] | None = None) -> int:
     print(header)
     print("-" * len(header))
     for row in rows:
-        value = f"{row.value:,.0f} {row.unit}"
-        baseline = f"{row.baseline} {row.baseline_value:,.0f} {row.baseline_unit}"
+        digits = 2 if row.unit == "ms" else 0
+        value = f"{row.value:,.{digits}f} {row.unit}"
+        baseline = f"{row.baseline} {row.baseline_value:,.{digits}f} {row.baseline_unit}"
         ratio = f"{row.ratio:.2f}x" if row.ratio_unit == "x" else f"{row.ratio:.1f}%"
         target = "-" if row.target is None else f">={row.target:g}{row.ratio_unit}"
         print(f"{row.figure:<22} {value:>17}  {baseline:<33} {ratio:>7} {target:>7}  {row.ok()}")

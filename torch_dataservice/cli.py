@@ -112,6 +112,9 @@ FLAGS: dict[str, list[Flag]] = {
                                  "(default: 16)", "int", 16),
         Flag("--drain-timeout-s", "on SIGTERM, serve what this worker holds for up to this "
                                   "long, then hand the rest back (default: 30)", "float", 30.0),
+        Flag("--executor-torch-threads", "torch threads in each executor process (default: 1, "
+                                         "as torch's DataLoader workers; 0 keeps torch's "
+                                         "default)", "int", 1),
         PORT_FILE,
         METRICS_PORT,
     ],
@@ -261,7 +264,8 @@ def _run_worker(args: argparse.Namespace, signals: _Signals) -> int:
         dispatcher_timeout_ms=args.dispatcher_timeout_ms, data_port=args.data_port,
         cross_trainer_cache_bytes=args.cross_trainer_cache_bytes,
         split_prefetch=args.split_prefetch, drain_timeout_s=args.drain_timeout_s,
-        metrics_port=args.metrics_port))
+        metrics_port=args.metrics_port,
+        executor_torch_threads=args.executor_torch_threads or None))
     announced = False
     while not (signals.stop.wait(0.2) or signals.drain.is_set() or worker.join(timeout=0)):
         if worker.registered and not announced:  # "serving" means: the dispatcher accepted it

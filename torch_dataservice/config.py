@@ -117,7 +117,9 @@ class WorkerConfig:
     in threads of this process, for debugging). `data_port` fixes the TCP port elements are
     also served on (worker/data_port.py; 0: a free one), so a firewall can allow it.
     `drain_timeout_s`: on `drain()` (SIGTERM), how long the worker serves what it holds before
-    it hands the rest back to the dispatcher.
+    it hands the rest back to the dispatcher. `executor_torch_threads`: torch's intra-op
+    threads in each executor process (1, as torch's DataLoader workers: processes, not threads,
+    use the cores; None keeps torch's default).
     """
 
     dispatcher_address: str
@@ -135,9 +137,15 @@ class WorkerConfig:
     data_port: int = 0
     drain_timeout_s: float = 30.0
     metrics_port: int | None = None  # Prometheus /metrics: None off, 0 a free port
+    executor_torch_threads: int | None = 1
 
     def __post_init__(self) -> None:
         _check_metrics_port(self.metrics_port)
+        if self.executor_torch_threads is not None and (
+                not isinstance(self.executor_torch_threads, int)
+                or self.executor_torch_threads < 1):
+            raise ValueError(f"executor_torch_threads must be an int >= 1 or None, "
+                             f"got {self.executor_torch_threads!r}")
         _check_port(self.data_port, "data_port")
         _check_worker_address(self.worker_address)
         if (isinstance(self.drain_timeout_s, bool)

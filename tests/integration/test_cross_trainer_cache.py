@@ -47,64 +47,6 @@ def test_trainers_share_one_stream(cluster_factory) -> None:
     assert start == 0 and length >= 100
 
 
-class FakeSource:
-    """A task buffer producing 0, 1, 2, ... (each element once) with 10-byte payloads."""
-
-    def __init__(self, end: int | None = None) -> None:
-        self.produced = 0
-        self.end = end
-
-    def __call__(self, max_elements: int, max_bytes: int, wait_s: float):
-        if self.end is not None and self.produced >= self.end:
-            return [], True, None
-        count = max_elements if self.end is None else min(max_elements, self.end - self.produced)
-        out = [Element(self.produced + k) for k in range(count)]
-        self.produced += count
-        return out, False, None
-
-
-class Element:
-    def __init__(self, value: int) -> None:
-        self.value = value
-        self.payload = b"x" * 10
-
-
-def values(result) -> list[int]:
-    return [e.value for e in result[0]]
-
-
-def test_the_cache_computes_each_element_once_for_all_trainers() -> None:
-    source = FakeSource()
-    cache = CachingRunner(10**6, source)
-    a = [v for _ in range(10) for v in values(cache.get("a", 10, 10**6, 0.1))]
-    b = [v for _ in range(10) for v in values(cache.get("b", 10, 10**6, 0.1))]
-    assert a == b == list(range(100))
-    assert source.produced == 100
-
-
-def test_the_cache_window_is_bounded_in_bytes_and_slow_trainers_jump() -> None:
-    source = FakeSource()
-    cache = CachingRunner(100, source)  # 10 elements of 10 bytes
-    assert values(cache.get("slow", 5, 10**6, 0.1)) == [0, 1, 2, 3, 4]
-    fast = [v for _ in range(10) for v in values(cache.get("fast", 5, 10**6, 0.1))]
-    assert fast == list(range(50))
-    start, length, size = cache.window
-    assert size <= 100 and (start, length) == (40, 10)
-    assert values(cache.get("slow", 5, 10**6, 0.1)) == [40, 41, 42, 43, 44]
-    assert values(cache.get("new", 3, 10**6, 0.1)) == [40, 41, 42]
-
-
-def test_the_end_of_a_cached_input_is_an_error_for_every_trainer() -> None:
-    cache = CachingRunner(10**6, FakeSource(end=3))
-    assert values(cache.get("a", 10, 10**6, 0.1)) == [0, 1, 2]
-    for trainer_id in ("a", "b"):
-        got = cache.get(trainer_id, 10, 10**6, 0.1)
-        if trainer_id == "b":
-            assert values(got) == [0, 1, 2]
-            got = cache.get(trainer_id, 10, 10**6, 0.1)
-        assert got[2] is not None and "infinite" in got[2][1]
-
-
 def test_one_trainer_never_reads_an_element_twice(cluster_factory) -> None:
     cluster = cluster_factory(num_workers=1, num_processes=0)
     pipeline = trainer(cluster, "once", "a")

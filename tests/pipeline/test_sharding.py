@@ -1,4 +1,5 @@
-"""Static sharding rewrites (FILE / DATA / HINT) and the SHARD_HINT placeholder."""
+"""Static sharding rewrites (FILE / DATA / HINT), the SHARD_HINT placeholder, and the plan of
+replicas a worker runs for a task."""
 
 from __future__ import annotations
 
@@ -9,12 +10,20 @@ import pytest
 
 from torch_dataservice.pipeline import SHARD_HINT, Pipeline
 from torch_dataservice.pipeline.sharding import (
+    ReplicaPlan,
+    Rewrite,
+    RewriteKind,
     Shard,
+    plan_replicas,
     resolve_shard_hints,
     shard_data,
     shard_files,
     shard_slice,
 )
+from torch_dataservice.policies import ShardingPolicy
+from torch_dataservice.proto import common_pb2
+
+pytestmark = pytest.mark.timeout(30)
 
 
 @pytest.fixture
@@ -85,3 +94,48 @@ def test_shard_hint_survives_pickling() -> None:
     pipeline = cloudpickle.loads(cloudpickle.dumps(Pipeline.range(4).shard(SHARD_HINT, 0)))
     assert pipeline.has_shard_hint
     assert list(resolve_shard_hints(pipeline, 2, 1)[0]) == [0, 2]
+
+
+# ---------------------------------------------------------------------- the worker's plan
+def _plan(policy: ShardingPolicy, executors: int = 4, *, workers: int = 3, index: int = 1,
+          **dataset: object):
+    task = common_pb2.TaskDef(sharding_policy=policy, num_workers=workers, worker_index=index)
+    return plan_replicas(task, common_pb2.DatasetDef(**dataset), executors)
+
+
+def test_the_plan_runs_one_replica_per_executor_when_order_allows() -> None:
+    dynamic = _plan(ShardingPolicy.DYNAMIC, splittable=True)
+    assert dynamic.replicas == (ReplicaPlan(use_splits=True),) * 4
+    assert dynamic.use_splits and not dynamic.local_splits
+    off = _plan(ShardingPolicy.OFF, splittable=True)
+    assert off.replicas == (ReplicaPlan(use_splits=True),) * 4 and off.local_splits
+    # Position-dependent transforms (take, skip, shard) or an unsplittable source: one copy.
+    for plan in (_plan(ShardingPolicy.OFF, splittable=True, order_sensitive=True),
+                 _plan(ShardingPolicy.OFF, splittable=False),
+                 _plan(ShardingPolicy.OFF, 1, splittable=True)):
+        assert plan.replicas == (ReplicaPlan(),) and not plan.use_splits
+
+
+def test_the_plan_shards_files_then_divides_this_workers_files_among_executors() -> None:
+    plan = _plan(ShardingPolicy.FILE_OR_DATA, file_based=True, num_files=7)  # files 1, 4
+    here = Rewrite(RewriteKind.FILES, 3, 1)
+    assert plan.replicas == (ReplicaPlan((here, Rewrite(RewriteKind.FILES, 2, 0))),
+                             ReplicaPlan((here, Rewrite(RewriteKind.FILES, 2, 1))))
+    ordered = _plan(ShardingPolicy.FILE, file_based=True, num_files=7, order_sensitive=True)
+    assert ordered.replicas == (ReplicaPlan((here,)),)
+    assert _plan(ShardingPolicy.FILE_OR_DATA).replicas == (
+        ReplicaPlan((Rewrite(RewriteKind.DATA, 3, 1),)),)
+    assert _plan(ShardingPolicy.HINT).replicas == (
+        ReplicaPlan((Rewrite(RewriteKind.HINTS, 3, 1),)),)
+    with pytest.raises(ValueError, match="unknown sharding policy 9"):
+        _plan(9)  # type: ignore[arg-type]
+
+
+def test_a_replica_plan_rewrites_the_pipeline_and_survives_pickling(ten_files: Pipeline) -> None:
+    plan = ReplicaPlan((Rewrite(RewriteKind.FILES, 3, 1), Rewrite(RewriteKind.FILES, 2, 1)))
+    assert pickle.loads(pickle.dumps(plan)) == plan  # it travels to the executor processes
+    assert plan.apply(ten_files).files == ten_files.files[1::3][1::2]
+    hinted = Pipeline.range(10).shard(SHARD_HINT, SHARD_HINT)
+    assert list(ReplicaPlan((Rewrite(RewriteKind.HINTS, 5, 2),)).apply(hinted)) == [2, 7]
+    assert list(ReplicaPlan((Rewrite(RewriteKind.DATA, 4, 3),)).apply(Pipeline.range(10))) == [
+        3, 7]

@@ -1,5 +1,6 @@
-"""Static sharding: the `shard` transform, the SHARD_HINT placeholder and the pure rewrites the
-worker applies under FILE / DATA / HINT sharding.
+"""Static sharding: the `shard` transform, the SHARD_HINT placeholder, the pure rewrites the
+worker applies under FILE / DATA / HINT sharding, and the plan that says which copies of a
+pipeline a worker runs for a task, each rewritten how (`plan_replicas` -> `ShardingPlan`).
 
 All shard arithmetic is one helper, `shard_slice`: shard `index` of `num_shards` holds the items
 at positions index, index + num_shards, ... (files[index::num_shards], or element k when
@@ -9,18 +10,23 @@ k % num_shards == index).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import itertools
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch_dataservice.pipeline._checks import check_int
 from torch_dataservice.pipeline.context import ExecutionContext
 from torch_dataservice.pipeline.sources import ListFilesSource
 from torch_dataservice.pipeline.transforms import Transform, Upstream, close_iterator
+from torch_dataservice.policies import ShardingPolicy
 
 if TYPE_CHECKING:
     from torch_dataservice.pipeline.core import Pipeline
+
+logger = logging.getLogger(__name__)
 
 
 class _ShardHint:
@@ -142,3 +148,112 @@ def resolve_shard_hints(pipeline: Pipeline, num_shards: int, index: int) -> tupl
     if not found:
         return pipeline, False
     return type(pipeline)(pipeline.source, transforms), True
+
+
+# ---------------------------------------------------------------------- the worker's plan
+class RewriteKind(enum.Enum):
+    FILES = "files"  # shard_files
+    DATA = "data"  # shard_data
+    HINTS = "hints"  # resolve_shard_hints
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """One static-sharding rewrite: keep shard `index` of `num_shards` (files, data or hints)."""
+
+    kind: RewriteKind
+    num_shards: int
+    index: int
+
+    def apply(self, pipeline: Pipeline) -> Pipeline:
+        if self.kind is RewriteKind.FILES:
+            return shard_files(pipeline, self.num_shards, self.index)
+        if self.kind is RewriteKind.DATA:
+            return shard_data(pipeline, self.num_shards, self.index)
+        pipeline, found = resolve_shard_hints(pipeline, self.num_shards, self.index)
+        if not found:
+            logger.warning(
+                "sharding policy HINT: the pipeline has no shard(SHARD_HINT, SHARD_HINT); "
+                "every worker produces all of it"
+            )
+        return pipeline
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    """One copy of a task's pipeline: its rewrites, and whether it reads splits it is given."""
+
+    rewrites: tuple[Rewrite, ...] = ()
+    use_splits: bool = False
+
+    def apply(self, pipeline: Pipeline) -> Pipeline:
+        """The rewritten pipeline; applied where it runs (an executor), never in the front."""
+        for rewrite in self.rewrites:
+            pipeline = rewrite.apply(pipeline)
+        return pipeline
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """The replicas a worker runs for a task. With `local_splits` the worker hands out the
+    splits of the whole dataset to its replicas itself (OFF); otherwise replicas that use
+    splits ask the dispatcher (DYNAMIC)."""
+
+    replicas: tuple[ReplicaPlan, ...]
+    local_splits: bool = False
+
+    @property
+    def use_splits(self) -> bool:
+        return any(replica.use_splits for replica in self.replicas)
+
+
+class TaskFacts(Protocol):
+    """What the plan reads of a task (common_pb2.TaskDef has it)."""
+
+    sharding_policy: int
+    num_workers: int
+    worker_index: int
+
+
+class DatasetFacts(Protocol):
+    """What the plan reads of a dataset (common_pb2.DatasetDef has it)."""
+
+    file_based: bool
+    splittable: bool
+    order_sensitive: bool
+    num_files: int
+
+
+def plan_replicas(task: TaskFacts, dataset: DatasetFacts, num_executors: int) -> ShardingPlan:
+    """How many copies of the pipeline run for `task`, each rewritten how.
+
+    Replicas run in parallel on different cores; only transformations that do not depend on an
+    element's position in the stream allow that (see DatasetDef.order_sensitive).
+    """
+    policy = task.sharding_policy
+    if policy == ShardingPolicy.FILE_OR_DATA:
+        policy = ShardingPolicy.FILE if dataset.file_based else ShardingPolicy.DATA
+    if policy == ShardingPolicy.DYNAMIC:
+        return ShardingPlan(_copies(ReplicaPlan(use_splits=True), num_executors))
+    if policy == ShardingPolicy.OFF:
+        if dataset.splittable and not dataset.order_sensitive and num_executors > 1:
+            return ShardingPlan(_copies(ReplicaPlan(use_splits=True), num_executors),
+                                local_splits=True)
+        return ShardingPlan((ReplicaPlan(),))
+    n, i = task.num_workers, task.worker_index
+    if policy == ShardingPolicy.FILE:
+        here = Rewrite(RewriteKind.FILES, n, i)
+        if dataset.order_sensitive:
+            return ShardingPlan((ReplicaPlan((here,)),))
+        count = max(1, min(num_executors, len(range(i, dataset.num_files, n))))
+        return ShardingPlan(tuple(ReplicaPlan((here, Rewrite(RewriteKind.FILES, count, j)))
+                                  for j in range(count)))
+    if policy == ShardingPolicy.DATA:
+        return ShardingPlan((ReplicaPlan((Rewrite(RewriteKind.DATA, n, i),)),))
+    if policy == ShardingPolicy.HINT:
+        return ShardingPlan((ReplicaPlan((Rewrite(RewriteKind.HINTS, n, i),)),))
+    raise ValueError(f"unknown sharding policy {policy}")
+
+
+def _copies(plan: ReplicaPlan, count: int) -> tuple[ReplicaPlan, ...]:
+    return tuple(plan for _ in range(count))

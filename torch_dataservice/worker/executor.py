@@ -22,20 +22,43 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
+from torch_dataservice.pipeline.sharding import ReplicaPlan
 from torch_dataservice.wire.inprocess import LocalElement
 from torch_dataservice.worker import shm
-from torch_dataservice.worker.executor_process import ReplicaKey, executor_main, read_exactly
+from torch_dataservice.worker.executor_process import executor_main
 from torch_dataservice.worker.local import LocalChannel
+from torch_dataservice.worker.messages import (
+    BigElement,
+    Blocked,
+    Dataset,
+    End,
+    Failed,
+    FreeSegment,
+    FromExecutor,
+    LocalElements,
+    Release,
+    ReplicaKey,
+    SegmentElement,
+    Shutdown,
+    SmallElements,
+    SplitKey,
+    SplitRequest,
+    Stages,
+    Start,
+    TaskError,
+    ToExecutor,
+    read_exactly,
+)
 
 logger = logging.getLogger(__name__)
 
 _EXECUTOR_BOOT = (
     "import sys\n"
     # The parent's import path (as multiprocessing's spawn does): its modules import here too.
-    "sys.path[:0] = sys.argv[2:]\n"
+    "sys.path[:0] = sys.argv[3:]\n"
     "from multiprocessing.connection import Connection\n"
     "from torch_dataservice.worker.executor_process import executor_main\n"
-    "executor_main(Connection(int(sys.argv[1])))\n"
+    "executor_main(Connection(int(sys.argv[1])), torch_threads=int(sys.argv[2]) or None)\n"
     # Skip interpreter teardown: with torch loaded it takes seconds, and a worker waits for it.
     "sys.stdout.flush(); sys.stderr.flush()\n"
     "import os; os._exit(0)\n"
@@ -43,15 +66,16 @@ _EXECUTOR_BOOT = (
 
 
 class ExecutorListener(Protocol):
-    def on_element(self, key: ReplicaKey, split: tuple[int, int] | None, offset: int,
+    def on_element(self, key: ReplicaKey, split: SplitKey | None, offset: int,
                    payload: bytes | memoryview | LocalElement) -> None: ...
 
     def on_end(self, key: ReplicaKey) -> None: ...
 
-    def on_error(self, key: ReplicaKey, remote_type: str, message: str, tb: str) -> None: ...
+    def on_error(self, key: ReplicaKey, error: TaskError) -> None: ...
 
-    def on_get_split(self, key: ReplicaKey, request_id: int, repetition: int,
-                     finished: tuple[int, int, int] | None = None) -> None: ...
+    def on_get_split(self, request: SplitRequest) -> None: ...
+
+    def on_blocked(self, key: ReplicaKey) -> None: ...
 
     def on_executor_lost(self, slot: int) -> None: ...
 
@@ -61,7 +85,7 @@ class ExecutorListener(Protocol):
 class _Slot:
     """One executor (process or thread) and the connection to it."""
 
-    def __init__(self, index: int, use_process: bool) -> None:
+    def __init__(self, index: int, use_process: bool, torch_threads: int | None) -> None:
         self.index = index
         self.conn: Connection
         self.process: Any = None
@@ -76,7 +100,8 @@ class _Slot:
             self.conn = Connection(ours_sock.detach())
             child_fd = theirs_sock.fileno()
             self.process = subprocess.Popen(
-                [sys.executable, "-c", _EXECUTOR_BOOT, str(child_fd), *sys.path],
+                [sys.executable, "-c", _EXECUTOR_BOOT, str(child_fd), str(torch_threads or 0),
+                 *sys.path],
                 pass_fds=(child_fd,), stdin=subprocess.DEVNULL)
             theirs_sock.close()
         else:
@@ -105,18 +130,19 @@ class _Slot:
 
     def _flush_freed(self) -> None:
         while self._freed:
-            if not self.send_locked(("free_segment", self._freed.popleft())):
+            if not self.send_locked(FreeSegment(self._freed.popleft())):
                 self._freed.clear()
                 return
 
-    def send(self, message: tuple) -> bool:
+    def send(self, message: ToExecutor) -> bool:
+        """Send a message of worker/messages.py; False if the executor is gone."""
         with self.send_lock:
             ok = self.send_locked(message)
             if self._freed:
                 self._flush_freed()
             return ok
 
-    def send_locked(self, message: tuple) -> bool:
+    def send_locked(self, message: ToExecutor) -> bool:
         """`send`, for a caller that holds `send_lock`."""
         try:
             self.conn.send(message)
@@ -126,8 +152,11 @@ class _Slot:
 
 
 class ExecutorPool:
-    def __init__(self, num_processes: int, listener: ExecutorListener) -> None:
+    def __init__(self, num_processes: int, listener: ExecutorListener,
+                 torch_threads: int | None = 1) -> None:
         self._use_processes = num_processes > 0
+        # Set in executor processes only: a thread executor shares this process's torch.
+        self._torch_threads = torch_threads
         self._size = max(1, num_processes)
         self._listener = listener
         self._slots: list[_Slot] = []
@@ -143,7 +172,7 @@ class ExecutorPool:
             self._start_slot(index)
 
     def _start_slot(self, index: int) -> None:
-        slot = _Slot(index, self._use_processes)
+        slot = _Slot(index, self._use_processes, self._torch_threads)
         with self._lock:
             if index < len(self._slots):
                 self._slots[index] = slot
@@ -153,35 +182,9 @@ class ExecutorPool:
                          daemon=True).start()
 
     def _receive(self, slot: _Slot) -> None:
-        listener = self._listener
-        conn = slot.conn
         while True:
             try:
-                message = conn.recv()
-                kind = message[0]
-                if kind == "elements":  # small ones, several per message
-                    for key, split, offset, payload in message[1]:
-                        listener.on_element(key, split, offset, payload)
-                elif kind == "local_elements":  # objects of an executor thread, by token
-                    assert slot.local is not None
-                    for key, split, offset, token in message[1]:
-                        listener.on_element(key, split, offset, slot.local.pop(token))
-                elif kind == "segment":  # a big one in shared memory (worker/shm.py)
-                    _, key, split, offset, size, segment, capacity = message
-                    if capacity:  # a new segment: its fd follows
-                        slot.segments.add(segment, shm.recv_fd(slot.sock), capacity)
-                    listener.on_element(key, split, offset, slot.segments.payload(segment, size))
-                elif kind == "element":  # a big one: its payload follows as raw bytes
-                    payload = read_exactly(conn.fileno(), message[4])
-                    listener.on_element(message[1], message[2], message[3], payload)
-                elif kind == "end":
-                    listener.on_end(message[1])
-                elif kind == "error":
-                    listener.on_error(message[1], message[2], message[3], message[4])
-                elif kind == "get_split":
-                    listener.on_get_split(*message[1:])
-                elif kind == "stages":  # the executor's stage times (observability/stages.py)
-                    listener.on_stages(slot.index, message[1])
+                self._handle(slot, slot.conn.recv())
             except (EOFError, OSError):
                 break
             except Exception:
@@ -196,13 +199,43 @@ class ExecutorPool:
         if not self._closed.is_set():
             self._start_slot(slot.index)
 
+    def _handle(self, slot: _Slot, message: FromExecutor) -> None:
+        listener = self._listener
+        match message:
+            case SmallElements(items):  # several per message
+                for key, split, offset, payload in items:
+                    listener.on_element(key, split, offset, payload)
+            case LocalElements(items):  # objects of an executor thread, by token
+                assert slot.local is not None
+                for key, split, offset, token in items:
+                    listener.on_element(key, split, offset, slot.local.pop(token))
+            case SegmentElement(key, split, offset, size, segment, capacity):  # shared memory
+                if capacity:  # a new segment: its fd follows
+                    slot.segments.add(segment, shm.recv_fd(slot.sock), capacity)
+                listener.on_element(key, split, offset, slot.segments.payload(segment, size))
+            case BigElement(key, split, offset, size):  # its payload follows as raw bytes
+                listener.on_element(key, split, offset, read_exactly(slot.conn.fileno(), size))
+            case End(key):
+                listener.on_end(key)
+            case Failed(key, error):
+                listener.on_error(key, error)
+            case SplitRequest():
+                listener.on_get_split(message)
+            case Blocked(key):
+                listener.on_blocked(key)
+            case Stages(totals):  # the executor's stage times (observability/stages.py)
+                listener.on_stages(slot.index, totals)
+            case _:
+                logger.warning("unknown message from executor %d: %r", slot.index,
+                               type(message).__name__)
+
     def _slot(self, index: int) -> _Slot:
         with self._lock:
             return self._slots[index % self._size]
 
     def start_replica(self, slot_index: int, key: ReplicaKey, dataset_id: str,
-                      pipeline_bytes: Callable[[], bytes], rewrites: list[tuple[str, int, int]],
-                      compression: str | None, use_splits: bool, credits: int,
+                      pipeline_bytes: Callable[[], bytes], plan: ReplicaPlan,
+                      compression: str | None, credits: int,
                       dependencies: Sequence[tuple[str, Callable[[], bytes]]] = ()) -> bool:
         """Start a replica of `dataset_id`, first sending the executor the datasets it does not
         have yet: `dependencies` (pipeline/shared_objects.py), then the pipeline itself."""
@@ -212,11 +245,10 @@ class ExecutorPool:
         with slot.send_lock:
             for needed, get_bytes in (*dependencies, (dataset_id, pipeline_bytes)):
                 if needed not in slot.datasets:
-                    if not slot.send_locked(("dataset", needed, get_bytes())):
+                    if not slot.send_locked(Dataset(needed, get_bytes())):
                         return False
                     slot.datasets.add(needed)
-            return slot.send_locked(
-                ("start", key, dataset_id, rewrites, compression, use_splits, credits))
+            return slot.send_locked(Start(key, dataset_id, plan, compression, credits))
 
     def release_dataset(self, dataset_id: str) -> None:
         """Executors drop `dataset_id` (its bytes and unpickled shared object); sent again if a
@@ -227,9 +259,9 @@ class ExecutorPool:
             with slot.send_lock:
                 if dataset_id in slot.datasets:
                     slot.datasets.discard(dataset_id)
-                    slot.send_locked(("release", dataset_id))
+                    slot.send_locked(Release(dataset_id))
 
-    def send(self, slot_index: int, message: tuple) -> None:
+    def send(self, slot_index: int, message: ToExecutor) -> None:
         self._slot(slot_index).send(message)
 
     def close(self) -> None:
@@ -237,7 +269,7 @@ class ExecutorPool:
         with self._lock:
             slots = list(self._slots)
         for slot in slots:
-            slot.send(("shutdown",))
+            slot.send(Shutdown())
         for slot in slots:
             if slot.process is not None:
                 try:

@@ -11,26 +11,7 @@ goes to the front as the object itself (worker/local.py, `LocalElement`) through
 `LocalChannel`, and only its token through the connection, so an in-process reader receives it
 without an encode, a copy or a decode. Credits then count an estimate of its encoded size.
 
-Messages, front -> here:   ("dataset", dataset_id, pipeline_bytes)  ("release", dataset_id)
-                           ("start", key, dataset_id, rewrites, compression, use_splits, credits)
-                           ("credit", key, n)
-                           ("split", key, request_id, index|None, skip offsets
-                            [, the split's own repetition (a requeued split may be older)])
-                           ("stop", key)        ("shutdown",)
-                           ("free_segment", segment id)   (worker/shm.py)
-here -> front:             ("elements", [(key, split|None, offset, payload), ...]) small ones,
-                           ("local_elements", [(key, split|None, offset, token), ...]) objects
-                               on the front's LocalChannel (num_processes=0)
-                           ("element", key, split|None, offset, size) then `size` raw bytes
-                           ("segment", key, split|None, offset, size, segment id, capacity)
-                               a big one in shared memory (worker/shm.py); capacity > 0: a
-                               new segment, whose fd follows (SCM_RIGHTS)
-                           ("end", key)  ("error", key, type, message, traceback)
-                           ("get_split", key, request_id, repetition, finished)
-                               finished: (repetition, index, elements) of the split this
-                               replica finished producing, or None
-                           ("stages", (split, compute, encode, send seconds, elements))
-                               this executor's running totals (observability/stages.py)
+The messages both ways are the typed ones of worker/messages.py.
 """
 
 from __future__ import annotations
@@ -43,32 +24,59 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NamedTuple
 
 import cloudpickle
-import numpy as np
 
 from torch_dataservice.errors import describe_exception
 from torch_dataservice.observability import stages
-from torch_dataservice.pipeline import ExecutionContext, Pipeline, sharding, shared_objects
+from torch_dataservice.pipeline import ExecutionContext, Pipeline, shared_objects
 from torch_dataservice.wire import codec
 from torch_dataservice.wire.inprocess import LocalElement
 from torch_dataservice.worker import shm
 from torch_dataservice.worker.local import LocalChannel
+from torch_dataservice.worker.messages import (
+    BigElement,
+    Blocked,
+    Credit,
+    Dataset,
+    End,
+    Failed,
+    FinishedSplit,
+    FreeSegment,
+    LocalElements,
+    Release,
+    ReplicaKey,
+    SegmentElement,
+    Shutdown,
+    SmallElements,
+    SplitKey,
+    SplitReply,
+    SplitRequest,
+    Stages,
+    Start,
+    Stop,
+    TaskError,
+    ToExecutor,
+    write_all,
+)
 
 logger = logging.getLogger(__name__)
 
 # Elements an executor thread may hand over as objects and not yet see taken (num_processes=0).
 LOCAL_CREDITS = 64
 
-ReplicaKey = tuple[int, int]  # (task id, replica index)
-
 # Credits bound a replica's elements in flight by count; this bounds them by bytes too, so the
 # count can be large enough for tiny elements (many per fetch) while big ones stay few.
 MAX_BYTES_IN_FLIGHT = 64 << 20
 # Larger payloads skip pickling and go as raw bytes after their header (see send_element).
 INLINE_PAYLOAD_BYTES = 64 << 10
+# A replica whose elements come at least this far apart writes each small one itself (no hand
+# -off to the sender thread and no wake-up of it per element); faster ones are left to the
+# sender, which writes all those queued meanwhile as one message.
+SLOW_ELEMENT_S = 0.0005
 # Payloads up to this size are copied once and sent in the background; larger ones are written
 # from the element's own memory while the replica waits (a copy would cost more than the wait).
 COPY_PAYLOAD_BYTES = 8 << 20
@@ -76,6 +84,32 @@ COPY_PAYLOAD_BYTES = 8 << 20
 
 class _Stopped(Exception):
     """The front stopped this replica (task deleted or the worker shuts down)."""
+
+
+# What the sender thread's outbox holds besides messages for the front as they are: elements,
+# which it batches (small and local ones) or writes with their payload (big ones).
+class _Small(NamedTuple):
+    item: tuple[ReplicaKey, SplitKey | None, int, bytes]
+
+
+class _Local(NamedTuple):
+    item: tuple[ReplicaKey, SplitKey | None, int, int]  # ... LocalChannel token
+
+
+@dataclass
+class _Big:
+    header: BigElement
+    parts: list[codec.Part]
+    written: threading.Event | None  # set once written: the replica waits for its memory
+
+
+@dataclass
+class _Segment:
+    header: SegmentElement
+    fd: int | None  # a new segment's, sent after the header (SCM_RIGHTS)
+
+
+_Outgoing = _Small | _Local | _Big | _Segment | End | Failed | SplitRequest | Blocked
 
 
 class _Replica:
@@ -91,10 +125,12 @@ class _Replica:
         self._credits = credits
         self._in_flight: deque[int] = deque()  # sizes of elements sent and not credited back
         self._bytes_in_flight = 0
+        self._said_blocked = False  # the front was told this replica waits for credits
         self._cond = threading.Condition()
         self._stopped = False
-        self._split_replies: dict[int, tuple[int | None, Any, int | None]] = {}
+        self._split_replies: dict[int, SplitReply] = {}
         self._request_ids = itertools.count()
+        self.clock = executor.clocks.new()  # stage times (observability/stages.py)
         # Exactly-once DYNAMIC (see dispatcher/splits.py): the split being read, how many
         # elements each split produced so far, and the offsets clients already received of a
         # split handed again after its worker died.
@@ -108,23 +144,22 @@ class _Replica:
         self._splits_taken = 0
         self._produced: dict[tuple[int, int], int] = {}
         self._skip: dict[tuple[int, int], frozenset[int]] = {}
-        self.clock = executor.clocks.new()  # stage times (observability/stages.py)
         self.thread = threading.Thread(target=self._run, name=f"replica-{key}", daemon=True)
 
     # --- called by the executor's receive loop
     def add_credits(self, n: int) -> None:
         with self._cond:
             self._credits += n
+            self._said_blocked = False
             # Credits say how many, not which: the oldest elements are the ones handed out
             # first, and in any case the bytes return to 0 when every element is credited.
             for _ in range(min(n, len(self._in_flight))):
                 self._bytes_in_flight -= self._in_flight.popleft()
             self._cond.notify_all()
 
-    def deliver_split(self, request_id: int, index: int | None, skip: Any,
-                      repetition: int | None = None) -> None:
+    def deliver_split(self, reply: SplitReply) -> None:
         with self._cond:
-            self._split_replies[request_id] = (index, skip, repetition)
+            self._split_replies[reply.request_id] = reply
             self._cond.notify_all()
 
     def stop(self) -> None:
@@ -138,34 +173,39 @@ class _Replica:
         finished = None
         if self._holding is not None:
             # Synchronous chains ask for the next split only after emitting all of this one.
-            finished = (*self._holding, self._produced.pop(self._holding, 0))
+            finished = FinishedSplit(*self._holding, self._produced.pop(self._holding, 0))
             self._skip.pop(self._holding, None)
             self._holding = None
+        # Written right away: this replica waits for the answer.
         asked = time.perf_counter()
-        self._executor.send(("get_split", self.key, request_id, repetition, finished))
+        self._executor.send(SplitRequest(self.key, request_id, repetition, finished), inline=True)
         with self._cond:
             while request_id not in self._split_replies:
                 if self._stopped:
                     raise _Stopped
                 self._cond.wait(1.0)
-            index, skip, split_repetition = self._split_replies.pop(request_id)
+            reply = self._split_replies.pop(request_id)
         self.clock.times[stages.SPLIT] += time.perf_counter() - asked
-        if index is not None:
-            self._holding = (repetition if split_repetition is None else split_repetition, index)
+        if reply.index is not None:
+            self._holding = (repetition if reply.repetition is None else reply.repetition,
+                             reply.index)
             self._split_key = self._holding
             self._splits_taken += 1
-            if skip and not isinstance(skip, int):
-                self._skip[self._holding] = frozenset(skip)
-        return index
+            if reply.skip:
+                self._skip[self._holding] = frozenset(reply.skip)
+        return reply.index
 
     def _take_credit(self, size: int) -> None:
         with self._cond:
-            if not self._stopped and (self._credits <= 0 or (
+            since = 0.0  # back-pressure is not counted as work (observability/stages.py)
+            while not self._stopped and (self._credits <= 0 or (
                     self._in_flight and self._bytes_in_flight + size > MAX_BYTES_IN_FLIGHT)):
-                since = time.perf_counter()  # back-pressure: not counted as work
-                while not self._stopped and (self._credits <= 0 or (
-                        self._in_flight and self._bytes_in_flight + size > MAX_BYTES_IN_FLIGHT)):
-                    self._cond.wait(1.0)
+                since = since or time.perf_counter()
+                if not self._said_blocked:  # the front batches credits: ask for them now
+                    self._said_blocked = True
+                    self._executor.send(Blocked(self.key))
+                self._cond.wait(1.0)
+            if since:
                 self.clock.times[stages.BLOCKED] += time.perf_counter() - since
             if self._stopped:
                 raise _Stopped
@@ -178,6 +218,7 @@ class _Replica:
         try:
             last_split = None
             offset = 0
+            last_sent = time.monotonic()
             elements: Iterator[Any] = self._pipeline.iterate(ctx)
             clock, now = self.clock, time.perf_counter  # stage times: observability/stages.py
             compute = encode = count = 0
@@ -211,10 +252,13 @@ class _Replica:
                 encode += encoded - computed
                 size = codec.payload_size(parts)
                 self._take_credit(size)
+                sent_at = time.monotonic()
                 sending = now() if size > INLINE_PAYLOAD_BYTES else 0.0  # a copy or a wait
-                self._executor.send_element(self.key, wire_split, offset, parts, size)
+                self._executor.send_element(self.key, wire_split, offset, parts, size,
+                                            slow=sent_at - last_sent >= SLOW_ELEMENT_S)
                 if sending:
                     clock.times[stages.SEND] += now() - sending
+                last_sent = sent_at
                 count += 1
                 if encoded - published > stages.PUBLISH_S:
                     published = encoded
@@ -222,11 +266,11 @@ class _Replica:
                     compute = encode = count = 0
             compute += now() - encoded  # the last pull, which found the end
             clock.publish(compute, encode, count)
-            self._executor.send(("end", self.key))
+            self._executor.send(End(self.key))
         except _Stopped:
             pass
         except BaseException as error:  # user code failed: the consumer must see it
-            self._executor.send(("error", self.key, *describe_exception(error)))
+            self._executor.send(Failed(self.key, TaskError(*describe_exception(error))))
         finally:
             self._executor.clocks.end(self.clock)
             self._executor.forget(self.key)
@@ -246,13 +290,13 @@ class ExecutorLoop:
         self._replicas: dict[ReplicaKey, _Replica] = {}
         self._lock = threading.Lock()
         self.clocks = stages.ExecutorClocks()
+        self._stages_shipped = 0.0
         # One sender thread writes everything, in order: small elements queued while it was
         # writing go out as one message (a write per tiny element would cost more than it).
-        # Queued: messages for the front as they are, except elements: small ones as
-        # ("element", key, split, offset, payload), big ones as ("element", key, split, offset,
-        # size, parts, written event); None stops the sender.
-        self._outbox: deque[tuple | None] = deque()
+        # None stops the sender.
+        self._outbox: deque[_Outgoing | None] = deque()
         self._outbox_ready = threading.Condition()
+        self._writing = False  # a thread (the sender or an inline writer) writes the outbox
         # Big payloads go through shared memory when the connection is a Unix socket (it
         # carries the segments' file descriptors).
         self._sock: socket.socket | None = None
@@ -267,23 +311,38 @@ class ExecutorLoop:
                                         daemon=True)
         self._sender.start()
 
-    def send(self, message: tuple | None) -> None:
-        """Queue `message` for the front (None: stop the sender after what is queued)."""
+    def send(self, message: _Outgoing | None, inline: bool = False) -> None:
+        """Queue `message` for the front (None: stop the sender after what is queued). With
+        `inline`, write it (and what is queued) on this thread if nobody is writing."""
         with self._outbox_ready:
             self._outbox.append(message)
-            self._outbox_ready.notify()
+            if not inline or self._writing:
+                self._outbox_ready.notify()
+                return
+            self._writing = True
+            messages = self._with_stages(list(self._outbox))
+            self._outbox.clear()
+        try:
+            self._write(messages)
+        except (OSError, ValueError):  # the front is gone; the receive loop ends too
+            pass
+        finally:
+            with self._outbox_ready:
+                self._writing = False
+                self._outbox_ready.notify()  # the sender writes what came meanwhile
 
     def send_local(self, key: ReplicaKey, split: tuple[int, int] | None, offset: int,
                    element: LocalElement) -> None:
         """Hand `element` to the front as an object: its token travels in order with the
         other messages, batched like small elements."""
         assert self.local is not None
-        self.send(("local", key, split, offset, self.local.put(element)))
+        self.send(_Local((key, split, offset, self.local.put(element))))
 
     def send_element(self, key: ReplicaKey, split: tuple[int, int] | None, offset: int,
-                     parts: list[codec.Part], size: int) -> None:
+                     parts: list[codec.Part], size: int, slow: bool = False) -> None:
+        """Send an encoded element; a `slow` replica's small one is written right away."""
         if size <= INLINE_PAYLOAD_BYTES:
-            self.send(("element", key, split, offset, b"".join(parts)))
+            self.send(_Small((key, split, offset, b"".join(parts))), inline=slow)
             return
         if self._segments is not None and size >= shm.SHM_PAYLOAD_BYTES:
             # One copy into shared memory, and the replica is free: the front maps it.
@@ -291,102 +350,111 @@ class ExecutorLoop:
             if acquired is not None:
                 segment, mapping, fd = acquired
                 shm.copy_into(mapping, parts)
-                self.send(("segment", key, split, offset, size, segment,
-                           0 if fd is None else len(mapping), fd))
+                self.send(_Segment(SegmentElement(key, split, offset, size, segment,
+                                                  0 if fd is None else len(mapping)), fd))
                 return
         if size <= COPY_PAYLOAD_BYTES:
             # One copy (about a millisecond) frees the replica to compute the next element
             # while the sender writes this one, instead of idling until the front has read it.
-            self.send(("element", key, split, offset, size, [b"".join(parts)], None))
+            self.send(_Big(BigElement(key, split, offset, size), [b"".join(parts)], None))
             return
         # The parts are views of the element's memory: wait until they are written, so the
         # pipeline may reuse that memory as soon as it gets the next element.
         written = threading.Event()
-        self.send(("element", key, split, offset, size, parts, written))
+        self.send(_Big(BigElement(key, split, offset, size), parts, written))
         while not written.wait(1.0) and self._sender.is_alive():
             pass
 
+    def _with_stages(self, messages: list[_Outgoing | None]) -> list[_Outgoing | None]:
+        """`messages`, with the stage totals a few times a second and at each task's end:
+        they ride with what is written anyway (call with the outbox lock held)."""
+        now = time.perf_counter()
+        if now - self._stages_shipped >= stages.SHIP_INTERVAL_S or any(
+                m is None or isinstance(m, (End, Failed)) for m in messages):
+            self._stages_shipped = now
+            messages.insert(len(messages) - (bool(messages) and messages[-1] is None),
+                            Stages(self.clocks.totals()))
+        return messages
+
     def _send_loop(self) -> None:
-        shipped = 0.0
         while True:
             with self._outbox_ready:
-                while not self._outbox:
+                while not self._outbox or self._writing:
                     self._outbox_ready.wait()
-                messages = list(self._outbox)
+                self._writing = True
+                messages = self._with_stages(list(self._outbox))
                 self._outbox.clear()
             started = time.perf_counter()
-            if started - shipped >= stages.SHIP_INTERVAL_S or any(
-                    m is None or m[0] in ("end", "error") for m in messages):
-                shipped = started  # the stage totals ride with what is written anyway
-                messages.insert(len(messages) - (messages[-1] is None),
-                                ("stages", self.clocks.totals()))
             try:
                 done = self._write(messages)
                 self.clocks.write_seconds += time.perf_counter() - started
             except (OSError, ValueError):  # the front is gone; the receive loop ends too
                 done = True
+            with self._outbox_ready:
+                self._writing = False
             if done:
                 for message in messages:  # nobody waits forever for a big element
-                    if message is not None and message[0] == "element" and len(message) == 7 \
-                            and message[6] is not None:
-                        message[6].set()
+                    if isinstance(message, _Big) and message.written is not None:
+                        message.written.set()
                 return
 
-    def _write(self, messages: list[tuple | None]) -> bool:
+    def _write(self, messages: list[_Outgoing | None]) -> bool:
         # Consecutive small (or local) elements go as one message; order is kept.
         batch: list[tuple] = []
-        batch_kind = ""
+        batch_kind: type | None = None
         for message in messages:
-            kind = _batched_kind(message)
-            if batch and kind != batch_kind:
-                self._conn.send((batch_kind, batch))
+            kind = _BATCHED.get(type(message))
+            if batch and kind is not batch_kind:
+                self._conn.send(batch_kind(batch))  # type: ignore[misc]
                 batch = []
-            if kind:
+            if kind is not None:
                 batch_kind = kind
-                batch.append(message[1:])  # type: ignore[index]
+                batch.append(message.item)  # type: ignore[union-attr]
                 continue
-            if message is None:
-                return True
-            if message[0] == "segment":
-                fd = message[7]
-                try:
-                    self._conn.send(message[:7])
-                    if fd is not None:
-                        shm.send_fd(self._sock, fd)
-                finally:
-                    if fd is not None:
-                        os.close(fd)
-            elif message[0] == "element":  # a big payload: its header, then its parts raw
-                self._conn.send(message[:5])
-                # Raw writes of the encoded parts: no join here, no BytesIO on the other side.
-                for part in message[5]:
-                    write_all(self._conn.fileno(), part)
-                if message[6] is not None:
-                    message[6].set()
-            else:
-                self._conn.send(message)
+            match message:
+                case None:
+                    return True
+                case _Segment(header, fd):
+                    try:
+                        self._conn.send(header)
+                        if fd is not None:
+                            shm.send_fd(self._sock, fd)
+                    finally:
+                        if fd is not None:
+                            os.close(fd)
+                case _Big(header, parts, written):  # its header, then its parts raw
+                    self._conn.send(header)
+                    # Raw writes of the encoded parts: no join here, no BytesIO on the other
+                    # side.
+                    for part in parts:
+                        write_all(self._conn.fileno(), part)
+                    if written is not None:
+                        written.set()
+                case _:
+                    self._conn.send(message)
         if batch:
-            self._conn.send((batch_kind, batch))
+            self._conn.send(batch_kind(batch))  # type: ignore[misc]
         return False
 
     def forget(self, key: ReplicaKey) -> None:
         with self._lock:
             self._replicas.pop(key, None)
 
-    def _start(self, key: ReplicaKey, dataset_id: str, rewrites: list[tuple[str, int, int]],
-               compression: str | None, use_splits: bool, credits: int) -> None:
+    def _start(self, start: Start) -> None:
+        key, credits = start.key, start.credits
         try:
             with shared_objects.resolving(self._shared_object):
-                pipeline = cloudpickle.loads(self._datasets[dataset_id])
-            pipeline = apply_rewrites(pipeline, rewrites)
+                pipeline = cloudpickle.loads(self._datasets[start.dataset_id])
+            pipeline = start.plan.apply(pipeline)
         except BaseException as error:
-            self.send(("error", key, *describe_exception(error)))
+            self.send(Failed(key, TaskError(*describe_exception(error))))
             return
         if self.local is not None:
             # Objects are counted by an estimate of their size, which can miss what an opaque
             # object holds (a C extension's buffer): bound their number more tightly too.
             credits = min(credits, LOCAL_CREDITS)
-        replica = _Replica(self, key, pipeline, compression, use_splits, credits)
+        replica = _Replica(self, key, pipeline, start.compression, start.plan.use_splits,
+                           credits)
         with self._lock:
             self._replicas[key] = replica
         replica.thread.start()
@@ -401,36 +469,43 @@ class ExecutorLoop:
             del self._datasets[dataset_id]
         return found
 
+    def _handle(self, message: ToExecutor) -> None:
+        match message:
+            case Dataset(dataset_id, pipeline):
+                self._datasets[dataset_id] = pipeline
+            case Release(dataset_id):
+                self._datasets.pop(dataset_id, None)
+                self._objects.pop(dataset_id, None)
+            case Start():
+                self._start(message)
+            case FreeSegment(segment):
+                if self._segments is not None:
+                    self._segments.release(segment)
+            case Credit(key, n):
+                if (replica := self._replica(key)) is not None:
+                    replica.add_credits(n)
+            case SplitReply(key):
+                if (replica := self._replica(key)) is not None:
+                    replica.deliver_split(message)
+            case Stop(key):
+                if (replica := self._replica(key)) is not None:
+                    replica.stop()
+            case _:
+                logger.warning("executor: unknown message %r", type(message).__name__)
+
+    def _replica(self, key: ReplicaKey) -> _Replica | None:
+        with self._lock:
+            return self._replicas.get(key)
+
     def run(self) -> None:
         while True:
             try:
                 message = self._conn.recv()
             except (EOFError, OSError):
                 break
-            kind = message[0]
-            if kind == "shutdown":
+            if type(message) is Shutdown:
                 break
-            if kind == "dataset":
-                self._datasets[message[1]] = message[2]
-            elif kind == "release":
-                self._datasets.pop(message[1], None)
-                self._objects.pop(message[1], None)
-            elif kind == "start":
-                self._start(*message[1:])
-            elif kind == "free_segment":
-                if self._segments is not None:
-                    self._segments.release(message[1])
-            else:
-                with self._lock:
-                    replica = self._replicas.get(message[1])
-                if replica is None:
-                    continue
-                if kind == "credit":
-                    replica.add_credits(message[2])
-                elif kind == "split":
-                    replica.deliver_split(*message[2:])
-                elif kind == "stop":
-                    replica.stop()
+            self._handle(message)
         with self._lock:
             replicas = list(self._replicas.values())
         for replica in replicas:
@@ -443,59 +518,21 @@ class ExecutorLoop:
             self._sock.close()
 
 
-def _batched_kind(message: tuple | None) -> str:
-    """The batch message a queued message joins ("" for none): small encoded elements and
-    local elements' tokens."""
-    if message is None:
-        return ""
-    if message[0] == "element" and len(message) == 5:
-        return "elements"
-    if message[0] == "local":
-        return "local_elements"
-    return ""
+# Outbox entries the sender batches, and the message each batch goes as.
+_BATCHED: dict[type, type] = {_Small: SmallElements, _Local: LocalElements}
 
 
-def apply_rewrites(pipeline: Pipeline, rewrites: list[tuple[str, int, int]]) -> Pipeline:
-    """Static sharding rewrites, applied where the pipeline runs (never in the front)."""
-    for kind, num_shards, index in rewrites:
-        if kind == "files":
-            pipeline = sharding.shard_files(pipeline, num_shards, index)
-        elif kind == "data":
-            pipeline = sharding.shard_data(pipeline, num_shards, index)
-        elif kind == "hints":
-            pipeline, found = sharding.resolve_shard_hints(pipeline, num_shards, index)
-            if not found:
-                logger.warning(
-                    "sharding policy HINT: the pipeline has no shard(SHARD_HINT, SHARD_HINT); "
-                    "every worker produces all of it"
-                )
-        else:
-            raise ValueError(f"unknown rewrite {kind!r}")
-    return pipeline
-
-
-def write_all(fd: int, data: codec.Part) -> None:
-    view = memoryview(data).cast("B")
-    while view.nbytes:
-        view = view[os.write(fd, view):]
-
-
-def read_exactly(fd: int, size: int) -> memoryview:
-    """`size` bytes from `fd` into one buffer (the only copy on the receiving side)."""
-    view = memoryview(np.empty(size, dtype=np.uint8))  # unlike bytearray, not zero-filled first
-    received = 0
-    while received < size:
-        n = os.readv(fd, [view[received:]])
-        if n == 0:
-            raise EOFError(f"connection closed {size - received} bytes before the payload's end")
-        received += n
-    return view
-
-
-def executor_main(conn: Connection, local: LocalChannel | None = None) -> None:
+def executor_main(conn: Connection, local: LocalChannel | None = None,
+                  torch_threads: int | None = None) -> None:
     """Entry point of an executor process, or of a thread (num_processes=0) with `local`, the
-    channel its elements reach the front on as objects."""
+    channel its elements reach the front on as objects. `torch_threads`: torch's intra-op
+    threads here (WorkerConfig.executor_torch_threads; a process's cores are shared with the
+    other executors, as torch's DataLoader sets one thread in its workers)."""
     logging.basicConfig(level=logging.WARNING)
+    if torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(torch_threads)
     try:
         ExecutorLoop(conn, local).run()
     finally:

@@ -10,9 +10,10 @@ from typing import Any
 
 from torch_dataservice.errors import describe_exception
 from torch_dataservice.wire.inprocess import LocalElement
+from torch_dataservice.worker.messages import TaskError
 
 
-def encode_elements(elements: list[Any]) -> tuple[str, str, str] | None:
+def encode_elements(elements: list[Any]) -> TaskError | None:
     """Give every element (with a `payload`) of `elements` an encoded payload, in order.
 
     An element that cannot be encoded (not picklable) is an error of the pipeline, as in an
@@ -25,7 +26,7 @@ def encode_elements(elements: list[Any]) -> tuple[str, str, str] | None:
                 element.payload = element.payload.encoded()
             except Exception as error:
                 del elements[index:]
-                return describe_exception(error)
+                return TaskError(*describe_exception(error))
     return None
 
 

@@ -1,9 +1,12 @@
-"""Task runners that decide who gets which element when first-come-first-served is not enough.
+"""Task runners: who gets which element of a task (tf.data service's TaskRunner).
 
-Both sit on top of a task's first-come-first-served buffer, reached through `take(max_elements,
-max_bytes, wait_s) -> (elements, end_of_sequence, error)` (TaskManager.get_elements), so credits
-and back-pressure work as for any task.
+Every runner answers one `get(request, wait_s) -> Taken` for a GetElements request, and
+`make_runner` picks the runner of a task from its definition, as tf.data's
+`TaskRunner::Create(task_def)` does. All of them sit on a task's first-come-first-served buffer,
+reached through `take(max_elements, max_bytes, wait_s) -> Taken` (TaskManager.get_elements), so
+credits and back-pressure work as for any task.
 
+- `FirstComeFirstServedRunner` (the default): each request gets what the buffer holds.
 - `RoundRobinRunner` (coordinated reads, `num_consumers`): round r of this task is the next
   `num_consumers` elements of its buffer, and consumer i receives the i-th. A round is formed by
   the first request for it (the order of first requests is the round order, since every
@@ -23,11 +26,56 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
-# (elements, end_of_sequence, error): what TaskManager.get_elements returns.
-TakeResult = tuple[list[Any], bool, tuple[str, str, str] | None]
-Take = Callable[[int, int, float], TakeResult]
+from torch_dataservice.proto import common_pb2, worker_pb2
+from torch_dataservice.worker.messages import TaskError
+
+
+class Taken(NamedTuple):
+    """What a fetch gets: elements (with .payload, .split, .offset), end of sequence, error."""
+
+    elements: list[Any]
+    end_of_sequence: bool
+    error: TaskError | None
+
+
+Take = Callable[[int, int, float], Taken]
+
+DEFAULT_MAX_BYTES = 64 << 20  # a request that names no byte limit
+
+
+class TaskRunner(Protocol):
+    def get(self, request: worker_pb2.GetElementsRequest, wait_s: float) -> Taken:
+        """The elements for one GetElements request; waits up to `wait_s` for one."""
+        ...
+
+
+def limits(request: worker_pb2.GetElementsRequest) -> tuple[int, int]:
+    """(max elements, max bytes) of a request, with the defaults of a request naming none."""
+    return max(1, request.max_elements or 1), request.max_bytes or DEFAULT_MAX_BYTES
+
+
+def make_runner(definition: common_pb2.TaskDef, take: Take, take_encoded: Take,
+                cache_bytes: int) -> TaskRunner:
+    """The runner of a task: `take_encoded` (elements as bytes) feeds the cache, which serves an
+    element to several trainers that must not share one object."""
+    if definition.HasField("num_consumers"):
+        return RoundRobinRunner(definition.num_consumers, take)
+    if definition.cross_trainer_cache:
+        return CachingRunner(cache_bytes, take_encoded)
+    return FirstComeFirstServedRunner(take)
+
+
+class FirstComeFirstServedRunner:
+    """Whoever asks first gets the buffer's next elements."""
+
+    def __init__(self, take: Take) -> None:
+        self._take = take
+
+    def get(self, request: worker_pb2.GetElementsRequest, wait_s: float) -> Taken:
+        return self._take(*limits(request), wait_s)
+
 
 # Rounds formed but not yet taken by every consumer: a consumer this far ahead of the slowest
 # one waits, which bounds the worker's memory by this many rounds of elements.
@@ -57,10 +105,17 @@ class RoundRobinRunner:
         self._pending: list[Any] = []  # elements taken from the buffer, not yet in a round
         self._filling = False
         self._end_round: int | None = None
-        self._error: tuple[str, str, str] | None = None
+        self._error: TaskError | None = None
         self._error_round: int | None = None
 
-    def get(self, consumer_index: int, round_index: int, wait_s: float) -> TakeResult:
+    def get(self, request: worker_pb2.GetElementsRequest, wait_s: float) -> Taken:
+        if not request.HasField("consumer_index") or not request.HasField("round_index"):
+            raise ValueError(
+                f"task {request.task_id} serves coordinated reads: a request needs "
+                "consumer_index and round_index")
+        return self.get_round(request.consumer_index, request.round_index, wait_s)
+
+    def get_round(self, consumer_index: int, round_index: int, wait_s: float) -> Taken:
         """Consumer `consumer_index`'s element of round `round_index`.
 
         Returns ([element], False, None), ([], True, None) at the end, ([], False, error) when
@@ -79,11 +134,12 @@ class RoundRobinRunner:
                 while True:
                     held = self._rounds.get(round_index)
                     if held is not None:
-                        return [self._hand_out(round_index, consumer_index, held)], False, None
+                        return Taken([self._hand_out(round_index, consumer_index, held)],
+                                     False, None)
                     if self._end_round is not None and round_index >= self._end_round:
-                        return [], True, None
+                        return Taken([], True, None)
                     if self._error_round is not None and round_index >= self._error_round:
-                        return [], False, self._error
+                        return Taken([], False, self._error)
                     if round_index <= self._last_round:
                         raise RoundAlreadyServedError(
                             f"round {round_index} was already taken by every consumer (the "
@@ -94,7 +150,7 @@ class RoundRobinRunner:
                             and (remaining > 0 or not filled)):
                         break
                     if remaining <= 0:
-                        return [], False, None
+                        return Taken([], False, None)
                     self._cond.wait(remaining)
                 self._filling = True
                 need = self._num_consumers - len(self._pending)
@@ -149,10 +205,13 @@ class CachingRunner:
         self._bytes = 0
         self._positions: dict[str, int] = {}  # trainer id -> absolute index of its next element
         self._extending = False
-        self._error: tuple[str, str, str] | None = None
+        self._error: TaskError | None = None
 
-    def get(self, trainer_id: str, max_elements: int, max_bytes: int,
-            wait_s: float) -> TakeResult:
+    def get(self, request: worker_pb2.GetElementsRequest, wait_s: float) -> Taken:
+        return self.get_for(request.trainer_id, *limits(request), wait_s)
+
+    def get_for(self, trainer_id: str, max_elements: int, max_bytes: int,
+                wait_s: float) -> Taken:
         """The next elements for `trainer_id`: from the window, or newly produced."""
         if not trainer_id:
             raise ValueError("a read with a cross-trainer cache needs a non-empty trainer_id")
@@ -163,14 +222,14 @@ class CachingRunner:
                 while True:
                     served = self._serve(trainer_id, max_elements, max_bytes)
                     if served:
-                        return served, False, None
+                        return Taken(served, False, None)
                     if self._error is not None:
-                        return [], False, self._error
+                        return Taken([], False, self._error)
                     remaining = deadline - time.monotonic()
                     if not self._extending and (remaining > 0 or not extended):
                         break
                     if remaining <= 0:
-                        return [], False, None
+                        return Taken([], False, None)
                     self._cond.wait(remaining)
                 self._extending = True
             # At most a window's worth: what is produced is never evicted by the same extension.
@@ -212,7 +271,7 @@ class CachingRunner:
                 if error is not None:
                     self._error = error
                 elif end:
-                    self._error = ("ValueError", CACHE_FINITE_INPUT_MESSAGE, "")
+                    self._error = TaskError("ValueError", CACHE_FINITE_INPUT_MESSAGE, "")
                 self._cond.notify_all()
 
     @property

@@ -20,8 +20,9 @@ from torch_dataservice.serving import BackgroundLoop, Health, advertised_host, s
 from torch_dataservice.wire import inprocess
 from torch_dataservice.worker import metrics
 from torch_dataservice.worker.data_port import DataPort
+from torch_dataservice.worker.messages import FinishedSplit
 from torch_dataservice.worker.service import WorkerService
-from torch_dataservice.worker.split_feed import FinishedSplit, Split
+from torch_dataservice.worker.split_feed import Split
 from torch_dataservice.worker.tasks import TaskManager
 
 logger = logging.getLogger(__name__)
@@ -120,7 +121,8 @@ class WorkerServer:
         self._tasks = TaskManager(self._dataset, self._get_split, self._report_completed,
                                   self._config.effective_num_processes,
                                   forget_dataset=self._forget_dataset,
-                                  split_prefetch=self._config.split_prefetch)
+                                  split_prefetch=self._config.split_prefetch,
+                                  executor_torch_threads=self._config.executor_torch_threads)
         self._tasks.cross_trainer_cache_bytes = self._config.cross_trainer_cache_bytes
         try:
             self._tasks.start()  # spawn executors before gRPC starts its threads

@@ -17,6 +17,10 @@ with the next request; a replica is told "no more splits" only after a request t
 every report so far came back with end of splits, so the end of a repetition is known to the
 dispatcher exactly as it was without the feed (see dispatcher/splits.py, exactly-once).
 
+Splits are numbered in the order they are handed to replicas (`Split.handed`, decided under the
+feed's lock although replies go out on several threads), so the task releases their elements in
+that order (worker/reorder.py).
+
 Splits in stock are held by the task on the dispatcher like any other: if the worker dies
 they are requeued, and a garbage-collected iteration hands them on. A task whose replicas stop
 before the splits run out (a `take` after the source) leaves its stock unproduced, as the
@@ -25,6 +29,7 @@ cursor's remaining splits are: such a pipeline reads part of the data by design.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -33,16 +38,15 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch_dataservice.errors import ServiceUnavailableError
+from torch_dataservice.worker.messages import FinishedSplit
 
 logger = logging.getLogger(__name__)
 
 # The feed's replica id in GetSplit (executor replicas would use 0, 1, ...).
 FEED_REPLICA = 1 << 20
-
-FinishedSplit = tuple[int, int, int]  # (repetition, index, elements produced)
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class Split:
     index: int
     skip: tuple[int, ...]
     repetition: int
+    handed: int = field(default=-1, compare=False)  # splits of the task handed out before it
 
 
 # (repetition asked for, replica id, request id, finished splits, max splits)
@@ -85,6 +90,7 @@ class SplitFeed:
         self._waiters: deque[_Waiter] = deque()
         self._reports: list[FinishedSplit] = []
         self._request_id = -1
+        self._handed = 0  # splits handed to replicas so far
         self._in_flight = False
         self._wanted_repetition = 0  # the newest repetition any replica asked for
         self._ended_repetition = -1  # the dispatcher said "no more splits" up to this one
@@ -128,6 +134,8 @@ class SplitFeed:
             waiter = self._waiters[0]
             split = self._take_for(waiter.repetition)
             if split is not None:
+                split = dataclasses.replace(split, handed=self._handed)
+                self._handed += 1
                 actions.append(lambda w=waiter, s=split: w.reply(s))
             elif (self._ended_repetition >= waiter.repetition and not self._reports
                   and not self._in_flight):

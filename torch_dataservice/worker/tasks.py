@@ -1,9 +1,11 @@
-"""Tasks on a worker: the part of an iteration this worker runs, and who gets which element.
+"""Tasks on a worker: the part of an iteration this worker runs.
 
 A task is started lazily, on the first fetch (a task nobody reads costs nothing and takes no
-splits). It runs as one or more replicas in the executor processes; their encoded elements
-meet in one bounded buffer that fetches drain first-come-first-served. Every element handed
-out returns a credit to the replica that made it, which is the back-pressure.
+splits). It runs as one or more replicas in the executor processes, as its sharding plan says
+(pipeline/sharding.py); their encoded elements meet in one bounded buffer, in split order
+(worker/reorder.py), which the task's runner (worker/runners.py) hands out. Every element
+handed out returns a credit to the replica that made it, which is the back-pressure; credits
+travel in batches and fetches wait a moment for fuller replies (worker/flow.py).
 """
 
 from __future__ import annotations
@@ -19,21 +21,29 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch_dataservice.observability.stages import StageTotals
+from torch_dataservice.pipeline.sharding import plan_replicas
 from torch_dataservice.pipeline.split_cursor import LocalSplitCursor
-from torch_dataservice.policies import ShardingPolicy
-from torch_dataservice.proto import common_pb2
+from torch_dataservice.proto import common_pb2, worker_pb2
 from torch_dataservice.wire.inprocess import payload_nbytes
 from torch_dataservice.worker.executor import ExecutorPool
-from torch_dataservice.worker.executor_process import ReplicaKey
+from torch_dataservice.worker.flow import LINGER_ELEMENTS, LINGER_S, Arrivals, CreditLedger
 from torch_dataservice.worker.local import encode_elements
-from torch_dataservice.worker.runners import CachingRunner, RoundRobinRunner, TakeResult
-from torch_dataservice.worker.split_feed import FinishedSplit, Split, SplitFeed
+from torch_dataservice.worker.messages import (
+    Credit,
+    FinishedSplit,
+    ReplicaKey,
+    SplitKey,
+    SplitReply,
+    SplitRequest,
+    Stop,
+    TaskError,
+)
+from torch_dataservice.worker.reorder import SplitOrder
+from torch_dataservice.worker.runners import Taken, TaskRunner, limits, make_runner
+from torch_dataservice.worker.split_feed import Split, SplitFeed
 
 logger = logging.getLogger(__name__)
 
-OFF, DYNAMIC, FILE, DATA, FILE_OR_DATA, HINT = (
-    ShardingPolicy.OFF, ShardingPolicy.DYNAMIC, ShardingPolicy.FILE, ShardingPolicy.DATA,
-    ShardingPolicy.FILE_OR_DATA, ShardingPolicy.HINT)
 # Elements a replica may have made and not yet handed out (the executor also caps their bytes):
 # enough for several full fetches of tiny elements, so a fetch is not limited to a few of them.
 CREDITS_PER_REPLICA = 1024
@@ -42,48 +52,9 @@ CREDITS_PER_REPLICA = 1024
 @dataclass
 class BufferedElement:
     payload: Any  # encoded bytes, or a LocalElement (an object: worker/local.py)
-    split: tuple[int, int] | None
+    split: SplitKey | None
     offset: int
     replica: int
-
-
-@dataclass
-class ReplicaPlan:
-    rewrites: list[tuple[str, int, int]]
-    use_splits: bool
-
-
-def plan_replicas(task: common_pb2.TaskDef, dataset: common_pb2.DatasetDef,
-                  num_executors: int) -> tuple[list[ReplicaPlan], bool]:
-    """How many copies of the pipeline run for `task`, each rewritten how.
-
-    Returns (plans, local_splits): with local_splits the worker itself hands out the splits
-    of the whole dataset to its replicas (OFF), otherwise replicas that use splits ask the
-    dispatcher (DYNAMIC). Replicas run in parallel on different cores; only transformations
-    that do not depend on an element's position in the stream allow that (see DatasetDef).
-    """
-    policy = task.sharding_policy
-    if policy == FILE_OR_DATA:
-        policy = FILE if dataset.file_based else DATA
-    if policy == DYNAMIC:
-        return [ReplicaPlan([], True) for _ in range(num_executors)], False
-    if policy == OFF:
-        if dataset.splittable and not dataset.order_sensitive and num_executors > 1:
-            return [ReplicaPlan([], True) for _ in range(num_executors)], True
-        return [ReplicaPlan([], False)], False
-    n, i = task.num_workers, task.worker_index
-    if policy == FILE:
-        files_here = len(range(i, dataset.num_files, n))
-        if dataset.order_sensitive:
-            return [ReplicaPlan([("files", n, i)], False)], False
-        count = max(1, min(num_executors, files_here))
-        return [ReplicaPlan([("files", n, i), ("files", count, j)], False)
-                for j in range(count)], False
-    if policy == DATA:
-        return [ReplicaPlan([("data", n, i)], False)], False
-    if policy == HINT:
-        return [ReplicaPlan([("hints", n, i)], False)], False
-    raise ValueError(f"unknown sharding policy {policy}")
 
 
 @dataclass
@@ -92,7 +63,7 @@ class Task:
     replicas: list[int] = field(default_factory=list)  # executor slot of each replica
     buffer: deque[BufferedElement] = field(default_factory=deque)
     ended_replicas: set[int] = field(default_factory=set)
-    error: tuple[str, str, str] | None = None
+    error: TaskError | None = None
     local_cursor: LocalSplitCursor | None = None
     split_feed: SplitFeed | None = None  # DYNAMIC: the dispatcher's splits, asked ahead
     started: bool = False
@@ -100,7 +71,12 @@ class Task:
     datasets: list[str] = field(default_factory=list)
     completed: bool = False  # end_of_sequence handed to a client
     last_fetch: float = 0.0  # time.monotonic() of the last fetch (a drain waits for readers)
-    runner: RoundRobinRunner | CachingRunner | None = None  # see _runner
+    runner: TaskRunner | None = None  # see _runner
+    order: SplitOrder = field(default_factory=SplitOrder)  # elements in split order
+    credits: CreditLedger = field(default_factory=CreditLedger)
+    arrivals: Arrivals = field(default_factory=Arrivals)
+    # Buffer sizes fetches wait for: elements wake them only on reaching one (not each).
+    wants: list[int] = field(default_factory=list)
     cond: threading.Condition = field(default_factory=threading.Condition)
 
     @property
@@ -109,6 +85,24 @@ class Task:
 
     def exhausted(self) -> bool:
         return self.started and len(self.ended_replicas) == len(self.replicas) and not self.buffer
+
+    def running(self) -> bool:
+        """Elements may still come: a replica runs and nothing failed."""
+        return self.error is None and len(self.ended_replicas) < len(self.replicas)
+
+    def wait(self, want: int, timeout_s: float) -> None:
+        """Wait (under cond) until the buffer holds `want` elements, something ends, or
+        `timeout_s` passed."""
+        self.wants.append(want)
+        try:
+            self.cond.wait(timeout_s)
+        finally:
+            self.wants.remove(want)
+
+    def wake(self) -> None:
+        """Wake the fetches whose wait is over (under cond), after elements were added."""
+        if self.wants and len(self.buffer) >= min(self.wants):
+            self.cond.notify_all()
 
 
 class TaskManager:
@@ -126,6 +120,7 @@ class TaskManager:
         # The front's cache of dataset definitions: drop one (see _release_unused).
         forget_dataset: Callable[[str], None] = lambda dataset_id: None,
         split_prefetch: int = 16,  # WorkerConfig.split_prefetch
+        executor_torch_threads: int | None = 1,  # WorkerConfig.executor_torch_threads
     ) -> None:
         self._get_dataset = get_dataset
         self._forget_dataset = forget_dataset
@@ -134,7 +129,7 @@ class TaskManager:
         self._lock = threading.Lock()
         self._tasks: dict[int, Task] = {}
         self._finished: set[int] = set()
-        self._executors = ExecutorPool(num_executors, self)
+        self._executors = ExecutorPool(num_executors, self, executor_torch_threads)
         self._split_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="get-split")
         self._split_prefetch = split_prefetch
         self._accepting = True  # False while the worker drains: no new task
@@ -225,7 +220,7 @@ class TaskManager:
 
     def _stop_replicas(self, task: Task) -> None:
         for index, slot in enumerate(task.replicas):
-            self._executors.send(slot, ("stop", (task.task_id, index)))
+            self._executors.send(slot, Stop((task.task_id, index)))
 
     def get(self, task_id: int) -> Task | None:
         with self._lock:
@@ -240,6 +235,9 @@ class TaskManager:
         with self._lock:
             return sum(len(task.buffer) for task in self._tasks.values())
 
+    def on_stages(self, slot: int, totals: tuple[float, ...]) -> None:
+        self.stages.update(slot, totals)
+
     def _ensure_started(self, task: Task) -> None:
         with task.cond:
             if task.started:
@@ -248,78 +246,58 @@ class TaskManager:
             dataset = self._get_dataset(definition.dataset_id)
             dependencies = self._dependencies(definition.dataset_id)
             task.datasets = [*dependencies, definition.dataset_id]
-            plans, local_splits = plan_replicas(definition, dataset, self._executors.size)
-            if local_splits:
+            plan = plan_replicas(definition, dataset, self._executors.size)
+            if plan.local_splits:
                 task.local_cursor = LocalSplitCursor(dataset.num_splits)
-            elif any(plan.use_splits for plan in plans):
+            elif plan.use_splits:
                 task.split_feed = SplitFeed(
                     functools.partial(self._get_split, definition), self._split_pool,
                     self._split_prefetch)
             compression = "AUTO" if definition.compression else None
-            task.replicas = [index % self._executors.size for index in range(len(plans))]
+            task.replicas = [index % self._executors.size
+                             for index in range(len(plan.replicas))]
             task.started = True
-            for index, plan in enumerate(plans):
+            for index, replica in enumerate(plan.replicas):
                 ok = self._executors.start_replica(
                     task.replicas[index], (task.task_id, index), definition.dataset_id,
-                    lambda: dataset.pipeline, plan.rewrites, compression, plan.use_splits,
-                    CREDITS_PER_REPLICA,
+                    lambda: dataset.pipeline, replica, compression, CREDITS_PER_REPLICA,
                     [(d, functools.partial(self._pipeline_bytes, d)) for d in dependencies])
                 if not ok:
-                    task.error = ("RuntimeError", "executor process unavailable", "")
+                    task.error = TaskError("RuntimeError", "executor process unavailable", "")
 
     def _pipeline_bytes(self, dataset_id: str) -> bytes:
         return self._get_dataset(dataset_id).pipeline
 
     # ------------------------------------------------------------------ fetching
-    def fetch(self, request: Any, wait_s: float) -> TakeResult:
-        """The elements for one GetElements request, through the task's runner.
-
-        Coordinated reads (num_consumers) and the cross-trainer cache have their own runner
-        (worker/runners.py) on top of the first-come-first-served buffer; other tasks read it
-        directly.
-        """
-        max_elements = max(1, request.max_elements or 1)
-        max_bytes = request.max_bytes or (64 << 20)
+    def fetch(self, request: worker_pb2.GetElementsRequest, wait_s: float) -> Taken:
+        """The elements for one GetElements request, through the task's runner."""
         task = self.get(request.task_id)
-        runner = self._runner(task) if task is not None else None
-        if isinstance(runner, RoundRobinRunner):
-            if not request.HasField("consumer_index") or not request.HasField("round_index"):
-                raise ValueError(
-                    f"task {request.task_id} serves coordinated reads: a request needs "
-                    "consumer_index and round_index")
-            return runner.get(request.consumer_index, request.round_index, wait_s)
-        if isinstance(runner, CachingRunner):
-            return runner.get(request.trainer_id, max_elements, max_bytes, wait_s)
-        return self.get_elements(request.task_id, max_elements, max_bytes, wait_s)
+        if task is None:  # finished here, or not known yet (get_elements tells which)
+            return self.get_elements(request.task_id, *limits(request), wait_s)
+        return self._runner(task).get(request, wait_s)
 
-    def _runner(self, task: Task) -> RoundRobinRunner | CachingRunner | None:
-        definition = task.definition
-        if not definition.HasField("num_consumers") and not definition.cross_trainer_cache:
-            return None
+    def _runner(self, task: Task) -> TaskRunner:
         with task.cond:
             if task.runner is None:
-                def take(max_elements: int, max_bytes: int, wait_s: float) -> TakeResult:
+                def take(max_elements: int, max_bytes: int, wait_s: float) -> Taken:
                     return self.get_elements(task.task_id, max_elements, max_bytes, wait_s)
 
-                def take_encoded(max_elements: int, max_bytes: int,
-                                 wait_s: float) -> TakeResult:
+                def take_encoded(max_elements: int, max_bytes: int, wait_s: float) -> Taken:
                     # The cache serves an element to several trainers, which must not share
                     # one object: it keeps payloads, and each reader decodes its own copy.
                     elements, end, error = take(max_elements, max_bytes, wait_s)
                     failed = encode_elements(elements)
                     if failed is not None:
                         self.fail(task.task_id, failed)
-                        return elements, False, failed
-                    return elements, end, error
+                        return Taken(elements, False, failed)
+                    return Taken(elements, end, error)
 
-                if definition.HasField("num_consumers"):
-                    task.runner = RoundRobinRunner(definition.num_consumers, take)
-                else:
-                    task.runner = CachingRunner(self.cross_trainer_cache_bytes, take_encoded)
+                task.runner = make_runner(task.definition, take, take_encoded,
+                                          self.cross_trainer_cache_bytes)
             return task.runner
 
     def get_elements(self, task_id: int, max_elements: int, max_bytes: int,
-                     wait_s: float) -> tuple[list[BufferedElement], bool, tuple | None]:
+                     wait_s: float) -> Taken:
         """Up to `max_elements` (and about `max_bytes`) elements; waits up to `wait_s` for one.
 
         Returns (elements, end_of_sequence, error). An unknown task that finished here is at
@@ -330,110 +308,158 @@ class TaskManager:
             with self._lock:
                 finished = task_id in self._finished
             if finished:
-                return [], True, None
+                return Taken([], True, None)
             raise LookupError(task_id)
         self._ensure_started(task)
-        task.last_fetch = time.monotonic()
-        deadline = task.last_fetch + wait_s
-        taken: list[BufferedElement] = []
         with task.cond:
-            while not task.buffer and task.error is None and not task.exhausted():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return [], False, None
-                task.cond.wait(remaining)
+            if not self._wait_for_elements(task, min(max_elements, LINGER_ELEMENTS), wait_s):
+                return Taken([], False, None)
+            taken: list[BufferedElement] = []
             size = 0
             while task.buffer and len(taken) < max_elements and (not taken or size < max_bytes):
                 element = task.buffer.popleft()
                 taken.append(element)
-                size += payload_nbytes(element.payload)
+                element_size = payload_nbytes(element.payload)
+                size += element_size
+                if element.replica not in task.ended_replicas:
+                    task.credits.taken(element.replica, element_size)
             error = task.error if not task.buffer else None
             end = task.exhausted() and error is None
             first_completion = end and not task.completed
             if end:
                 task.completed = True
-        credits: dict[int, int] = {}
-        for element in taken:
-            credits[element.replica] = credits.get(element.replica, 0) + 1
-        for replica, n in credits.items():
-            if replica not in task.ended_replicas:
-                self._executors.send(task.replicas[replica], ("credit", (task_id, replica), n))
+            due = task.credits.due()
+        for replica, n in due:
+            self._executors.send(task.replicas[replica], Credit((task_id, replica), n))
         if first_completion:
             self._report_completed(task_id)
-        return taken, end and not taken, error
+        return Taken(taken, end and not taken, error)
+
+    @staticmethod
+    def _wait_for_elements(task: Task, want: int, wait_s: float) -> bool:
+        """Under task.cond: wait up to `wait_s` for an element (or the end, or an error), then,
+        if elements come steadily, up to LINGER_S more for `want` of them (a fuller reply).
+        False: nothing came in time."""
+        task.last_fetch = time.monotonic()
+        deadline = task.last_fetch + wait_s
+        while not task.buffer and task.error is None and not task.exhausted():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            task.wait(1, remaining)
+        if len(task.buffer) < want and task.running() and task.arrivals.steady():
+            deadline = min(deadline, time.monotonic() + LINGER_S)
+            while len(task.buffer) < want and task.running():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                task.wait(want, remaining)
+        return True
 
     # ------------------------------------------------------------------ executor listener
     def _task_for(self, key: ReplicaKey) -> Task | None:
         return self.get(key[0])
 
-    def on_element(self, key: ReplicaKey, split: tuple[int, int] | None, offset: int,
+    def on_element(self, key: ReplicaKey, split: SplitKey | None, offset: int,
                    payload: Any) -> None:
         task = self._task_for(key)
         if task is None:
             return
+        element = BufferedElement(payload, split, offset, key[1])
+        now = time.monotonic()
         with task.cond:
-            task.buffer.append(BufferedElement(payload, split, offset, key[1]))
-            task.cond.notify_all()
+            task.arrivals.note(now)
+            if task.order.admit(key[1], split, element):
+                task.buffer.append(element)
+                task.wake()
+
+    @staticmethod
+    def _release(task: Task, elements: list[BufferedElement]) -> None:
+        """Elements `task.order` let go, to the buffer (under task.cond)."""
+        if elements:
+            task.buffer.extend(elements)
+            task.wake()
+
+    def on_blocked(self, key: ReplicaKey) -> None:
+        """A replica waits for credits: it gets those it is owed now, or its next one."""
+        task = self._task_for(key)
+        if task is None:
+            return
+        with task.cond:
+            n = task.credits.blocked(key[1])
+        if n:
+            self._executors.send(task.replicas[key[1]], Credit(key, n))
 
     def on_end(self, key: ReplicaKey) -> None:
         task = self._task_for(key)
         if task is None:
             return
         with task.cond:
+            self._release(task, task.order.finished(key[1]))
             task.ended_replicas.add(key[1])
+            task.credits.ended(key[1])
             task.cond.notify_all()
 
-    def on_error(self, key: ReplicaKey, remote_type: str, message: str, tb: str) -> None:
+    def on_error(self, key: ReplicaKey, error: TaskError) -> None:
         task = self._task_for(key)
         if task is None:
             return
-        logger.warning("task %d failed: %s: %s", key[0], remote_type, message)
+        logger.warning("task %d failed: %s: %s", key[0], error.type, error.message)
         with task.cond:
             if task.error is None:
-                task.error = (remote_type, message, tb)
+                task.error = error
+            self._release(task, task.order.flush())
             task.ended_replicas.add(key[1])
+            task.credits.ended(key[1])
             task.cond.notify_all()
         self._stop_replicas(task)
 
-    def fail(self, task_id: int, error: tuple[str, str, str]) -> None:
+    def fail(self, task_id: int, error: TaskError) -> None:
         """The task failed outside its replicas (an element its readers cannot be sent): every
         reader gets `error` once the buffer is drained, and the replicas stop."""
         task = self.get(task_id)
         if task is None:
             return
-        logger.warning("task %d failed: %s: %s", task_id, error[0], error[1])
+        logger.warning("task %d failed: %s: %s", task_id, error.type, error.message)
         with task.cond:
             if task.error is None:
                 task.error = error
+            self._release(task, task.order.flush())
             task.cond.notify_all()
         self._stop_replicas(task)
 
-    def on_get_split(self, key: ReplicaKey, request_id: int, repetition: int,
-                     finished: tuple[int, int, int] | None = None) -> None:
+    def on_get_split(self, request: SplitRequest) -> None:
+        key, request_id, repetition = request.key, request.request_id, request.repetition
         task = self._task_for(key)
         if task is None:
             return
-        slot = task.replicas[key[1]]
+        replica, slot = key[1], task.replicas[key[1]]
+        with task.cond:  # it asks after emitting all of its split: that one is finished
+            self._release(task, task.order.finished(replica))
+            if task.local_cursor is not None:  # taken and numbered at once: in cursor order
+                index = task.local_cursor.next(repetition)
+                if index is not None:
+                    self._release(task, task.order.handed(replica, (repetition, index)))
         if task.local_cursor is not None:
-            index = task.local_cursor.next(repetition)
-            self._executors.send(slot, ("split", key, request_id, index, 0))
+            self._executors.send(slot, SplitReply(key, request_id, index))
             return
         if task.split_feed is None:
-            self.on_error(key, "RuntimeError", "this task takes no splits", "")
+            self.on_error(key, TaskError("RuntimeError", "this task takes no splits", ""))
             return
 
         def reply(split: Split | None) -> None:
             if split is None:
-                self._executors.send(slot, ("split", key, request_id, None, (), repetition))
+                self._executors.send(slot, SplitReply(key, request_id, None, (), repetition))
             else:
-                self._executors.send(slot, ("split", key, request_id, split.index, split.skip,
-                                            split.repetition))
+                with task.cond:
+                    self._release(task, task.order.handed(
+                        replica, (split.repetition, split.index), split.handed))
+                self._executors.send(slot, SplitReply(key, request_id, split.index, split.skip,
+                                                      split.repetition))
 
-        task.split_feed.request(repetition, finished, reply,
-                                lambda kind, message: self.on_error(key, kind, message, ""))
-
-    def on_stages(self, slot: int, totals: tuple[float, ...]) -> None:
-        self.stages.update(slot, totals)
+        task.split_feed.request(
+            repetition, request.finished, reply,
+            lambda kind, message: self.on_error(key, TaskError(kind, message, "")))
 
     def on_executor_lost(self, slot: int) -> None:
         self.stages.lost(slot)
@@ -442,5 +468,5 @@ class TaskManager:
         for task in tasks:
             for index, replica_slot in enumerate(task.replicas):
                 if replica_slot == slot and index not in task.ended_replicas:
-                    self.on_error((task.task_id, index), "RuntimeError",
-                                  "the executor process running this task died", "")
+                    self.on_error((task.task_id, index), TaskError(
+                        "RuntimeError", "the executor process running this task died", ""))

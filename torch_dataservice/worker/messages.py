@@ -1,0 +1,176 @@
+"""The protocol between the worker front and its executor processes: one typed message each way.
+
+Both sides `match` on the message's type, never on a tuple's length, so a change to a message
+shows in one place and a type checker follows it across the process boundary. Messages are
+NamedTuples: they pickle almost as cheaply as plain tuples (this is the per-element path).
+
+front -> executor                            executor -> front
+  Dataset       a pipeline's (or shared        SmallElements   encoded elements, several
+                object's) bytes                                per message
+  Release       drop a dataset                 LocalElements   tokens of objects on the
+  Start         run a replica                                  front's LocalChannel
+  Credit        n more elements may be made    BigElement      header; `size` raw bytes follow
+  SplitReply    the split asked for (or none)  SegmentElement  a payload in shared memory
+  Stop          stop a replica                                 (worker/shm.py); capacity > 0:
+  FreeSegment   a segment may be reused                        a new segment, its fd follows
+  Shutdown      end the executor               End / Failed    a replica ended / failed
+                                               SplitRequest    a replica wants its next split
+                                               Blocked         a replica waits for credits
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from torch_dataservice.pipeline.sharding import ReplicaPlan
+
+ReplicaKey = tuple[int, int]  # (task id, replica index)
+SplitKey = tuple[int, int]  # (repetition, split index): what elements are tagged with
+# (replica, split or None, offset in the split, payload: bytes, or a LocalChannel token)
+ElementItem = tuple[ReplicaKey, "SplitKey | None", int, Any]
+
+
+class TaskError(NamedTuple):
+    """A pipeline's failure, for the reader: (qualified type, message, traceback text)."""
+
+    type: str
+    message: str
+    traceback: str
+
+
+class FinishedSplit(NamedTuple):
+    """A split a replica finished producing, reported to the dispatcher (exactly-once)."""
+
+    repetition: int
+    index: int
+    elements: int
+
+
+# ------------------------------------------------------------------ front -> executor
+class Dataset(NamedTuple):
+    dataset_id: str
+    pipeline: bytes
+
+
+class Release(NamedTuple):
+    dataset_id: str
+
+
+class Start(NamedTuple):
+    key: ReplicaKey
+    dataset_id: str
+    plan: ReplicaPlan
+    compression: str | None
+    credits: int
+
+
+class Credit(NamedTuple):
+    key: ReplicaKey
+    n: int
+
+
+class SplitReply(NamedTuple):
+    """The split for request `request_id`; index None: no more splits in its repetition.
+
+    `repetition` is the split's own (a requeued DYNAMIC split may be older than the pass that
+    reads it), None for the repetition asked for; `skip` the offsets readers already received.
+    """
+
+    key: ReplicaKey
+    request_id: int
+    index: int | None
+    skip: tuple[int, ...] = ()
+    repetition: int | None = None
+
+
+class Stop(NamedTuple):
+    key: ReplicaKey
+
+
+class FreeSegment(NamedTuple):
+    segment: int
+
+
+class Shutdown(NamedTuple):
+    pass
+
+
+# ------------------------------------------------------------------ executor -> front
+class SmallElements(NamedTuple):
+    items: list[ElementItem]
+
+
+class LocalElements(NamedTuple):
+    items: list[ElementItem]
+
+
+class BigElement(NamedTuple):
+    key: ReplicaKey
+    split: SplitKey | None
+    offset: int
+    size: int
+
+
+class SegmentElement(NamedTuple):
+    key: ReplicaKey
+    split: SplitKey | None
+    offset: int
+    size: int
+    segment: int
+    capacity: int
+
+
+class End(NamedTuple):
+    key: ReplicaKey
+
+
+class Failed(NamedTuple):
+    key: ReplicaKey
+    error: TaskError
+
+
+class Blocked(NamedTuple):
+    """The replica ran out of credits (worker/flow.py): it waits for the front to send some."""
+
+    key: ReplicaKey
+
+
+class SplitRequest(NamedTuple):
+    key: ReplicaKey
+    request_id: int
+    repetition: int
+    finished: FinishedSplit | None
+
+
+class Stages(NamedTuple):
+    """The executor's running stage totals (observability/stages.py), a few times a second."""
+
+    totals: tuple[float, ...]
+
+
+ToExecutor = Dataset | Release | Start | Credit | SplitReply | Stop | FreeSegment | Shutdown
+FromExecutor = (SmallElements | LocalElements | BigElement | SegmentElement | End | Failed
+                | SplitRequest | Blocked | Stages)
+
+
+# ------------------------------------------------------------------ raw payload bytes
+def write_all(fd: int, data: Any) -> None:
+    """Write a buffer whole (a BigElement's payload follows its header this way)."""
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        view = view[os.write(fd, view):]
+
+
+def read_exactly(fd: int, size: int) -> memoryview:
+    """`size` bytes from `fd` into one buffer (the only copy on the receiving side)."""
+    view = memoryview(np.empty(size, dtype=np.uint8))  # unlike bytearray, not zero-filled first
+    received = 0
+    while received < size:
+        n = os.readv(fd, [view[received:]])
+        if n == 0:
+            raise EOFError(f"connection closed {size - received} bytes before the payload's end")
+        received += n
+    return view
