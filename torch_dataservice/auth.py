@@ -154,6 +154,21 @@ def client_tls() -> tuple[str, str | None, str | None] | None:
     return ca, cert, key
 
 
+def tls_hint(details: str) -> str:
+    """What to check when a connection fails the way a TLS mismatch makes it fail: a plain
+    client sees its connection closed, a TLS one a failed handshake ("" otherwise)."""
+    text = details.lower()
+    if client_tls() is None and "socket closed" in text:
+        return (f" (if the server uses TLS, set {TLS_CA_ENV} to the CA that signed its "
+                "certificate)")
+    if client_tls() is not None and ("ssl" in text or "handshake" in text
+                                     or "socket closed" in text):
+        return (f" (TLS handshake failed: check that {TLS_CA_ENV} signed the server's "
+                f"certificate, and set {TLS_CERT_ENV}/{TLS_KEY_ENV} if the server requires "
+                "client certificates)")
+    return ""
+
+
 def _read(path: str) -> bytes:
     with open(path, "rb") as source:
         return source.read()

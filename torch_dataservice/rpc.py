@@ -138,9 +138,10 @@ def retry(
             remaining, waited = end - now, now - started
             if remaining <= 0 or (stop is not None and stop.is_set()):
                 why = "stopped" if remaining > 0 else "no answer"  # never a timeout not waited
+                details = error.details() or ""
                 raise ServiceUnavailableError(
                     f"{description}: {why} after {waited:.1f}s and {attempt} attempts "
-                    f"({error.code().name}: {error.details()})"
+                    f"({error.code().name}: {details}){auth.tls_hint(details)}"
                 ) from error
             if waited >= report_every * (reported + 1):
                 reported = int(waited // report_every)
