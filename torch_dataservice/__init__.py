@@ -22,6 +22,7 @@ _EXPORTS = {
     "register_dataset": "torch_dataservice.client.api",
     "DispatcherConfig": "torch_dataservice.config",
     "WorkerConfig": "torch_dataservice.config",
+    "TLSConfig": "torch_dataservice.config",
     "DispatchServer": "torch_dataservice.dispatcher.server",
     "RemoteError": "torch_dataservice.errors",
     "VersionMismatchError": "torch_dataservice.errors",
@@ -40,6 +41,7 @@ __all__ = [
     "Pipeline",
     "RemoteError",
     "ShardingPolicy",
+    "TLSConfig",
     "VersionMismatchError",
     "WorkerConfig",
     "WorkerServer",
@@ -56,7 +58,7 @@ if TYPE_CHECKING:
         from_dataset_id,
         register_dataset,
     )
-    from torch_dataservice.config import DispatcherConfig, WorkerConfig
+    from torch_dataservice.config import DispatcherConfig, TLSConfig, WorkerConfig
     from torch_dataservice.dispatcher.server import DispatchServer
     from torch_dataservice.errors import RemoteError, VersionMismatchError
     from torch_dataservice.pipeline import SHARD_HINT, Pipeline

@@ -6,24 +6,38 @@ endpoint. So a server refuses to bind anything but loopback unless `TORCH_DATASE
 is set (or `TORCH_DATASERVICE_ALLOW_UNAUTHENTICATED=1` says the network is trusted). With a
 token, servers reject every call that does not carry it and clients attach it to every call.
 Use TLS or a private network as well: the token travels in clear over plain gRPC.
+
+TLS (`TLSConfig` on a server; `TORCH_DATASERVICE_TLS_CA` and optionally `_CERT`/`_KEY` on a
+client): gRPC and the data port are encrypted, and the token, when set, travels only inside
+TLS. The rule for binding beyond loopback stays one line: a token, or mTLS (a server with a
+`ca_file` admits only clients holding a certificate that CA signed, which authenticates them
+as a token would), or the explicit opt-out. TLS without mTLS and without a token is refused:
+encryption alone lets anyone in.
 """
 
 from __future__ import annotations
 
+import functools
 import hmac
 import ipaddress
 import logging
 import os
+import ssl
 from collections.abc import Callable
 from typing import Any
 
 import grpc
+
+from torch_dataservice.config import TLSConfig
 
 logger = logging.getLogger(__name__)
 
 TOKEN_ENV = "TORCH_DATASERVICE_TOKEN"
 ALLOW_UNAUTHENTICATED_ENV = "TORCH_DATASERVICE_ALLOW_UNAUTHENTICATED"
 METADATA_KEY = "x-torch-dataservice-token"
+TLS_CA_ENV = "TORCH_DATASERVICE_TLS_CA"
+TLS_CERT_ENV = "TORCH_DATASERVICE_TLS_CERT"
+TLS_KEY_ENV = "TORCH_DATASERVICE_TLS_KEY"
 
 
 def token() -> str | None:
@@ -41,16 +55,17 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_bind(host: str) -> None:
-    """Refuse to serve on a non-loopback `host` without a token (see the module docstring)."""
-    if is_loopback(host) or token() is not None:
+def check_bind(host: str, tls: TLSConfig | None = None) -> None:
+    """Refuse to serve on a non-loopback `host` without a token or mTLS (module docstring)."""
+    if is_loopback(host) or token() is not None or (tls is not None and tls.mutual):
         return
     if os.environ.get(ALLOW_UNAUTHENTICATED_ENV) == "1":
         return
     raise ValueError(
         f"refusing to serve on host {host!r} without authentication: anyone who can reach it "
         f"could run code on this machine. Set {TOKEN_ENV} to a shared secret on every server "
-        f"and client (or {ALLOW_UNAUTHENTICATED_ENV}=1 on a trusted network)")
+        f"and client, or require client certificates (--tls-ca, TLSConfig.ca_file), or set "
+        f"{ALLOW_UNAUTHENTICATED_ENV}=1 on a trusted network")
 
 
 # Health checks need no token: Kubernetes' `grpc:` probes cannot send metadata, and the
@@ -122,3 +137,74 @@ def secure_channel(channel: grpc.Channel) -> grpc.Channel:
 def server_interceptors() -> list[grpc.ServerInterceptor]:
     value = token()
     return [TokenCheck(value)] if value is not None else []
+
+
+def client_tls() -> tuple[str, str | None, str | None] | None:
+    """(ca, cert, key) from the environment when clients of this process use TLS, else None.
+
+    TLS is on when `TORCH_DATASERVICE_TLS_CA` names the CA that signed the servers'
+    certificates; `_CERT`/`_KEY` are presented to servers that require them (mTLS)."""
+    ca = os.environ.get(TLS_CA_ENV) or None
+    if ca is None:
+        return None
+    cert, key = os.environ.get(TLS_CERT_ENV) or None, os.environ.get(TLS_KEY_ENV) or None
+    if (cert is None) != (key is None):
+        raise ValueError(f"set both {TLS_CERT_ENV} and {TLS_KEY_ENV}, or neither; got "
+                         f"{TLS_CERT_ENV}={cert!r}, {TLS_KEY_ENV}={key!r}")
+    return ca, cert, key
+
+
+def tls_hint(details: str) -> str:
+    """What to check when a connection fails the way a TLS mismatch makes it fail: a plain
+    client sees its connection closed, a TLS one a failed handshake ("" otherwise)."""
+    text = details.lower()
+    if client_tls() is None and "socket closed" in text:
+        return (f" (if the server uses TLS, set {TLS_CA_ENV} to the CA that signed its "
+                "certificate)")
+    if client_tls() is not None and ("ssl" in text or "handshake" in text
+                                     or "socket closed" in text):
+        return (f" (TLS handshake failed: check that {TLS_CA_ENV} signed the server's "
+                f"certificate, and set {TLS_CERT_ENV}/{TLS_KEY_ENV} if the server requires "
+                "client certificates)")
+    return ""
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as source:
+        return source.read()
+
+
+def channel_credentials(tls: tuple[str, str | None, str | None]) -> grpc.ChannelCredentials:
+    """gRPC client credentials for `client_tls()`: trust the CA, present the cert if any."""
+    ca, cert, key = tls
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(ca), private_key=_read(key) if key else None,
+        certificate_chain=_read(cert) if cert else None)
+
+
+def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
+    """gRPC server credentials; with a CA, clients must present a certificate it signed."""
+    return grpc.ssl_server_credentials(
+        [(_read(tls.key_file), _read(tls.cert_file))],
+        root_certificates=_read(tls.ca_file) if tls.ca_file else None,
+        require_client_auth=tls.mutual)
+
+
+def server_ssl_context(tls: TLSConfig) -> ssl.SSLContext:
+    """The data port's TLS: the same identity and client-certificate rule as gRPC."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(tls.cert_file, tls.key_file)
+    if tls.ca_file:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(tls.ca_file)
+    return context
+
+
+@functools.lru_cache(maxsize=8)
+def client_ssl_context(tls: tuple[str, str | None, str | None]) -> ssl.SSLContext:
+    """A reader's TLS for data ports: verify the worker (and its host name) against the CA."""
+    ca, cert, key = tls
+    context = ssl.create_default_context(cafile=ca)
+    if cert and key:
+        context.load_cert_chain(cert, key)
+    return context

@@ -21,7 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torch_dataservice.config import DispatcherConfig, WorkerConfig
+from torch_dataservice import auth
+from torch_dataservice.config import DispatcherConfig, TLSConfig, WorkerConfig
 from torch_dataservice.errors import JournalCorruptError
 from torch_dataservice.rpc import parse_service
 from torch_dataservice.serving import write_port_file
@@ -66,6 +67,13 @@ METRICS_PORT = Flag("--metrics-port", "serve Prometheus metrics at http://HOST:P
                                       "picks a free port (default: off)", "int")
 PORT_FILE = Flag("--port-file", "once serving, write HOST:PORT to this file (atomically: "
                                 "other processes never see it half-written)")
+TLS_FLAGS = [
+    Flag("--tls-cert", "PEM certificate: serve gRPC (and a worker's data port) over TLS; also "
+                       "presented when this process dials a server that requires one"),
+    Flag("--tls-key", "PEM private key of --tls-cert"),
+    Flag("--tls-ca", "PEM CA: require client certificates it signed (mTLS; then no token is "
+                     "needed beyond loopback), and trust servers it signed"),
+]
 FLAGS: dict[str, list[Flag]] = {
     "dispatcher": [
         Flag("--port", "port to listen on; 0 picks a free one (default: 5000)", "int", 5000),
@@ -85,6 +93,7 @@ FLAGS: dict[str, list[Flag]] = {
                                     "(default: 300000)", "int"),
         PORT_FILE,
         METRICS_PORT,
+        *TLS_FLAGS,
     ],
     "worker": [
         Flag("--dispatcher", "dispatcher address HOST:PORT or grpc://HOST:PORT"),
@@ -117,6 +126,7 @@ FLAGS: dict[str, list[Flag]] = {
                                          "default)", "int", 1),
         PORT_FILE,
         METRICS_PORT,
+        *TLS_FLAGS,
     ],
     "status": [
         Flag("--dispatcher", "dispatcher address HOST:PORT or grpc://HOST:PORT"),
@@ -228,6 +238,21 @@ class _Signals:
         (self.stop if self.drain.is_set() else self.drain).set()
 
 
+def _tls(args: argparse.Namespace) -> TLSConfig | None:
+    """The server's TLSConfig from --tls-*; they are also this process's client settings
+    (auth.client_tls: a worker dials its dispatcher, the dispatcher its workers)."""
+    if not (args.tls_cert or args.tls_key or args.tls_ca):
+        return None
+    if not (args.tls_cert and args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together (and --tls-ca needs both), got "
+                         f"--tls-cert={args.tls_cert!r} --tls-key={args.tls_key!r}")
+    tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_ca)
+    os.environ[auth.TLS_CERT_ENV], os.environ[auth.TLS_KEY_ENV] = tls.cert_file, tls.key_file
+    if tls.ca_file:
+        os.environ[auth.TLS_CA_ENV] = tls.ca_file
+    return tls
+
+
 def _run_dispatcher(args: argparse.Namespace, signals: _Signals) -> int:
     from torch_dataservice.dispatcher.server import DispatchServer
 
@@ -236,7 +261,8 @@ def _run_dispatcher(args: argparse.Namespace, signals: _Signals) -> int:
         port=args.port, host=args.host, work_dir=args.work_dir,
         fault_tolerant_mode=args.fault_tolerant, worker_addresses=addresses,
         journal_recovery=args.journal_recovery, worker_timeout_ms=args.worker_timeout_ms,
-        job_gc_timeout_ms=args.job_gc_timeout_ms, metrics_port=args.metrics_port))
+        job_gc_timeout_ms=args.job_gc_timeout_ms, metrics_port=args.metrics_port,
+        tls=_tls(args)))
     if args.port_file:
         write_port_file(args.port_file, server.address)
     print(f"dispatcher serving at {server.target}", flush=True)
@@ -264,7 +290,7 @@ def _run_worker(args: argparse.Namespace, signals: _Signals) -> int:
         dispatcher_timeout_ms=args.dispatcher_timeout_ms, data_port=args.data_port,
         cross_trainer_cache_bytes=args.cross_trainer_cache_bytes,
         split_prefetch=args.split_prefetch, drain_timeout_s=args.drain_timeout_s,
-        metrics_port=args.metrics_port,
+        metrics_port=args.metrics_port, tls=_tls(args),
         executor_torch_threads=args.executor_torch_threads or None))
     announced = False
     while not (signals.stop.wait(0.2) or signals.drain.is_set() or worker.join(timeout=0)):

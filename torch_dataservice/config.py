@@ -44,6 +44,46 @@ def _check_protocol(protocol: str) -> None:
         raise ValueError(f"protocol must be 'grpc', got {protocol!r}")
 
 
+def _check_readable(name: str, path: object) -> str:
+    """A path that can be opened now: a typo fails at start, not at the first handshake."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ValueError(f"{name} must be a file path, got {path!r}")
+    text = os.fspath(path)
+    try:
+        with open(text, "rb"):
+            pass
+    except OSError as error:
+        raise ValueError(f"{name} {text!r} cannot be read: {error.strerror or error}") from None
+    return text
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """A server's TLS identity: PEM `cert_file` and `key_file`. `ca_file` also requires
+    clients to present a certificate signed by it (mTLS), which then authenticates them
+    (see auth.check_bind). Files are checked when built so a typo fails at start."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cert_file", _check_readable("cert_file", self.cert_file))
+        object.__setattr__(self, "key_file", _check_readable("key_file", self.key_file))
+        if self.ca_file is not None:
+            object.__setattr__(self, "ca_file", _check_readable("ca_file", self.ca_file))
+
+    @property
+    def mutual(self) -> bool:
+        """Clients must present a certificate (mTLS)."""
+        return self.ca_file is not None
+
+
+def _check_tls(tls: object) -> None:
+    if tls is not None and not isinstance(tls, TLSConfig):
+        raise ValueError(f"tls must be a TLSConfig or None, got {tls!r}")
+
+
 JOURNAL_RECOVERY = ("fail", "truncate")
 
 
@@ -70,9 +110,11 @@ class DispatcherConfig:
     host: str = "localhost"
     journal_recovery: str = "fail"
     metrics_port: int | None = None  # Prometheus /metrics: None off, 0 a free port
+    tls: TLSConfig | None = None  # serve gRPC over TLS (mTLS with a ca_file)
 
     def __post_init__(self) -> None:
         _check_port(self.port)
+        _check_tls(self.tls)
         _check_metrics_port(self.metrics_port)
         _check_protocol(self.protocol)
         if self.journal_recovery not in JOURNAL_RECOVERY:
@@ -138,8 +180,10 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0
     metrics_port: int | None = None  # Prometheus /metrics: None off, 0 a free port
     executor_torch_threads: int | None = 1
+    tls: TLSConfig | None = None  # serve gRPC and the data port over TLS (mTLS with ca_file)
 
     def __post_init__(self) -> None:
+        _check_tls(self.tls)
         _check_metrics_port(self.metrics_port)
         if self.executor_torch_threads is not None and (
                 not isinstance(self.executor_torch_threads, int)

@@ -74,20 +74,24 @@ def parse_service(service: Any) -> tuple[str, str]:
     return protocol, address
 
 
-_channels: dict[tuple[str, str | None], grpc.Channel] = {}
+_channels: dict[tuple[str, str | None, Any], grpc.Channel] = {}
 _channels_lock = threading.Lock()
 
 
 def channel_to(address: str) -> grpc.Channel:
-    """A shared channel to `address` (one per address and token per process), carrying the
-    fleet's token when one is set (see auth.py). Keyed by the token too: a channel made before
-    the token was set must not serve a server that requires it (e.g. on a reused port)."""
-    key = (address, auth.token())
+    """A shared channel to `address` (one per address, token and TLS settings per process),
+    carrying the fleet's token when one is set and over TLS when `TORCH_DATASERVICE_TLS_CA` is
+    set (see auth.py). Keyed by both: a channel made before they were set must not serve a
+    server that requires them (e.g. on a reused port)."""
+    tls = auth.client_tls()
+    key = (address, auth.token(), tls)
     with _channels_lock:
         channel = _channels.get(key)
         if channel is None:
-            channel = auth.secure_channel(
-                grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+            raw = (grpc.secure_channel(address, auth.channel_credentials(tls),
+                                       options=CHANNEL_OPTIONS)
+                   if tls is not None else grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+            channel = auth.secure_channel(raw)
             _channels[key] = channel
         return channel
 
@@ -134,9 +138,10 @@ def retry(
             remaining, waited = end - now, now - started
             if remaining <= 0 or (stop is not None and stop.is_set()):
                 why = "stopped" if remaining > 0 else "no answer"  # never a timeout not waited
+                details = error.details() or ""
                 raise ServiceUnavailableError(
                     f"{description}: {why} after {waited:.1f}s and {attempt} attempts "
-                    f"({error.code().name}: {error.details()})"
+                    f"({error.code().name}: {details}){auth.tls_hint(details)}"
                 ) from error
             if waited >= report_every * (reported + 1):
                 reported = int(waited // report_every)

@@ -15,17 +15,19 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from torch_dataservice import auth
-from torch_dataservice.config import WILDCARD_HOSTS
+from torch_dataservice.config import WILDCARD_HOSTS, TLSConfig
 from torch_dataservice.rpc import SERVER_OPTIONS
 
 logger = logging.getLogger(__name__)
 
 
 def start_grpc_server(
-    register: Callable[[grpc.Server], None], host: str, port: int, max_workers: int = 64
+    register: Callable[[grpc.Server], None], host: str, port: int, max_workers: int = 64,
+    tls: TLSConfig | None = None,
 ) -> tuple[grpc.Server, int]:
-    """Start a gRPC server with `register(server)` adding the servicers; returns (server, port)."""
-    auth.check_bind(host)
+    """Start a gRPC server with `register(server)` adding the servicers; returns (server, port).
+    With `tls`, it serves over TLS only (and requires client certificates given a CA)."""
+    auth.check_bind(host, tls)
     server = grpc.server(
         ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         options=SERVER_OPTIONS,
@@ -33,7 +35,8 @@ def start_grpc_server(
     )
     register(server)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = (server.add_secure_port(f"{host}:{port}", auth.server_credentials(tls))
+                 if tls is not None else server.add_insecure_port(f"{host}:{port}"))
     except RuntimeError:  # newer grpcio raises where older ones returned 0
         bound = 0
     if bound == 0:

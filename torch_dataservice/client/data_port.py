@@ -9,6 +9,11 @@ Errors: `OSError` (refused connection, reset, timeout) and `EOFError` mean the w
 unreachable, like a retryable gRPC error; `LookupError` means the worker does not know the task
 yet; `DataPortError` is a refusal (token) or a failure on the worker, which a retry would not
 mend.
+
+TLS: when this process's clients use TLS (`TORCH_DATASERVICE_TLS_CA`, auth.client_tls), TCP
+connections speak TLS, verify the worker's certificate and host name against the CA, and
+present `TORCH_DATASERVICE_TLS_CERT` when set (a worker with mTLS requires it). A failed
+handshake is an `ssl.SSLError`, an OSError: unreachable, as for gRPC. Unix sockets stay plain.
 """
 
 from __future__ import annotations
@@ -64,8 +69,7 @@ class Connection:
                 sock.close()
                 raise
         else:
-            sock = socket.create_connection((target[1], target[2]), timeout=CONNECT_TIMEOUT_S)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock = _connect_tcp(target[1], target[2])
         self._sock = sock
         where = ":".join(str(part) for part in target[1:])
         try:
@@ -144,6 +148,20 @@ class Connection:
             if n == 0:
                 raise EOFError("the worker closed the data connection mid-reply")
             filled += n
+
+
+def _connect_tcp(host: str, port: int) -> socket.socket:
+    """A TCP connection to a data port, over TLS when this process's clients use it."""
+    sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tls = auth.client_tls()
+        if tls is None:
+            return sock
+        return auth.client_ssl_context(tls).wrap_socket(sock, server_hostname=host)
+    except BaseException:
+        sock.close()
+        raise
 
 
 class DataPortPool:

@@ -100,6 +100,7 @@ class IterationReader:
         self._current: Batch | None = None
         self._data_ports = DataPortPool()
         self._transports: dict[int, Transport] = {}  # chosen once per task
+        self._fallback = transports.DataPortFallback()
         self._rounds: CoordinatedRounds | None = None
         self._threads = self._make_threads(consumer_index, connect_timeout_s)
         self._m.heartbeat()
@@ -224,11 +225,16 @@ class IterationReader:
             del self._transports[state.info.task_id]
             state.retry_at = time.monotonic() + UNREACHABLE_BACKOFF_S
             return None
-        except (OSError, EOFError):
+        except (OSError, EOFError) as error:
             if not transport.network:
                 raise  # from an in-process worker: not a connection problem
             # Unreachable, reset, timed out or not ready: like a retryable gRPC error.
             state.failures += 1
+            replacement = self._fallback.replacement(transport, state.info, state.failures,
+                                                     error)
+            if replacement is not None:
+                self._transports[state.info.task_id] = replacement
+                state.failures = 0
             state.retry_at = time.monotonic() + min(UNREACHABLE_BACKOFF_S * state.failures, 2.0)
             return None
         except DataPortError as error:

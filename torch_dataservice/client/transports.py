@@ -6,6 +6,11 @@ data-transfer clients are), best first:
     (`DataPortTransport`; worker/data_port.py, client/data_port.py);
   - a worker without a data port: gRPC streaming (`GrpcStream`).
 
+A reader that cannot reach a data port (a firewall that lets gRPC through but not the data
+port, a wrong `--data-port` mapping) falls back to gRPC streaming for that task once the port
+failed `FALLBACK_AFTER_FAILURES` times in a row while the worker's gRPC port answers, with one
+warning per worker and port (`DataPortFallback`).
+
 `target_workers="ANY"` skips the first two and takes the network path, as a remote trainer
 would. Each transport's `fetch` raises what its path raises: grpc.RpcError, LookupError (the
 worker does not know the task yet), OSError/EOFError (a connection problem, `network` paths
@@ -14,15 +19,24 @@ only), DataPortError, WorkerGone (an in-process worker stopped: choose again).
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from typing import Any, Protocol
 
-from torch_dataservice.client.data_port import DataPortPool
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from torch_dataservice.client.data_port import DataPortPool, WorkerUnavailableError
 from torch_dataservice.proto import common_pb2, worker_pb2
 from torch_dataservice.rpc import WORKER_SERVICE_NAME, channel_to
 from torch_dataservice.wire import frame, inprocess
 
+logger = logging.getLogger(__name__)
+
 STREAM_TIMEOUT_S = 30
+FALLBACK_AFTER_FAILURES = 3  # data-port failures in a row before gRPC is tried instead
+HEALTH_TIMEOUT_S = 2.0
 
 
 class Transport(Protocol):
@@ -112,6 +126,47 @@ def choose(info: common_pb2.TaskInfo, target_workers: str, pool: DataPortPool,
     if target is not None:
         return DataPortTransport(pool, target)
     return GrpcStream(info.worker_address)
+
+
+def grpc_answers(address: str) -> bool:
+    """The worker at `address` answers on gRPC (its health service, which needs no token)."""
+    stub = health_pb2_grpc.HealthStub(channel_to(address))
+    try:
+        stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_TIMEOUT_S)
+    except grpc.RpcError:
+        return False
+    return True
+
+
+class DataPortFallback:
+    """Switch a task whose data port keeps failing to gRPC streaming (module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._warned: set[tuple[str, tuple]] = set()
+
+    def replacement(self, transport: Transport, info: common_pb2.TaskInfo,
+                    failures: int, error: BaseException) -> Transport | None:
+        """GrpcStream for `info`'s task if its data port failed often enough and gRPC answers
+        (asked every FALLBACK_AFTER_FAILURES failures only: the check may take a while). An
+        UNAVAILABLE reply (not registered yet) came through the port: no reason to leave it."""
+        if (not isinstance(transport, DataPortTransport) or failures <= 0
+                or failures % FALLBACK_AFTER_FAILURES
+                or isinstance(error, WorkerUnavailableError)):
+            return None
+        if not grpc_answers(info.worker_address):
+            return None  # the worker itself is down: nothing to fall back to
+        key = (info.worker_address, transport.target)
+        with self._lock:
+            first = key not in self._warned
+            self._warned.add(key)
+        if first:
+            where = ":".join(str(part) for part in transport.target[1:])
+            logger.warning("cannot reach the data port %s of worker %s after %d attempts; "
+                           "reading from it over gRPC instead (slower for big elements: "
+                           "check that the data port is open between the hosts)", where,
+                           info.worker_address, failures)
+        return GrpcStream(info.worker_address)
 
 
 def task_groups(infos: list[common_pb2.TaskInfo], target_workers: str) -> list[list[int]]:

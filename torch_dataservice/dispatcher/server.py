@@ -86,7 +86,7 @@ class DispatchServer:
             health.register(server)
 
         self._server, self._port = start_grpc_server(register, self._config.host,
-                                                     self._config.port)
+                                                     self._config.port, tls=self._config.tls)
         health.set_serving(True)  # the journal is replayed: requests see the whole state
         interval = min(self._config.effective_job_gc_check_interval_ms,
                        self._config.effective_worker_timeout_ms // 4 or 1) / 1000

@@ -21,6 +21,7 @@ a task the worker does not know yet).
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -49,8 +50,13 @@ def recv_exactly(sock: socket.socket, size: int) -> bytes:
 
 
 def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
-    """Send `buffers` back to back without joining them (scatter-gather `sendmsg`)."""
+    """Send `buffers` back to back without joining them (scatter-gather `sendmsg`; over TLS,
+    which has no sendmsg and copies to encrypt anyway, one `sendall` each)."""
     views = [view for view in (memoryview(b).cast("B") for b in buffers) if view.nbytes]
+    if isinstance(sock, ssl.SSLSocket):
+        for view in views:
+            sock.sendall(view)
+        return
     first = 0
     while first < len(views):
         sent = sock.sendmsg(views[first:first + _IOV_MAX])

@@ -15,7 +15,10 @@ client reads each big payload into a buffer of its own that becomes the decoded 
 
 Trust: with ``TORCH_DATASERVICE_TOKEN`` set, a connection must present it first (compared in
 constant time), as every gRPC call must (auth.py); the port binds the worker's host, which
-``auth.check_bind`` has vetted. The token travels in clear, as over plain gRPC.
+``auth.check_bind`` has vetted. With ``WorkerConfig.tls`` the TCP listener speaks TLS (and
+requires a client certificate given a CA, as gRPC does), so the token and the elements travel
+encrypted; without it the token travels in clear, as over plain gRPC. The Unix socket stays
+plain: it never leaves the host, and its directory is the worker user's alone.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ import logging
 import os
 import shutil
 import socket
+import ssl
 import tempfile
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from torch_dataservice import auth
+from torch_dataservice.config import TLSConfig
 from torch_dataservice.proto import worker_pb2
 from torch_dataservice.wire.data_port import (
     ACCEPTED,
@@ -82,8 +87,11 @@ class DataPort:
     """
 
     def __init__(self, fetch: Callable[[worker_pb2.GetElementsRequest], tuple[Any, list]],
-                 ready: Callable[[], bool], host: str, port: int = 0) -> None:
+                 ready: Callable[[], bool], host: str, port: int = 0,
+                 tls: TLSConfig | None = None) -> None:
         self._fetch = fetch
+        self._tls_config = tls
+        self._tls = auth.server_ssl_context(tls) if tls is not None else None
         self._ready = ready
         self._host = host
         self._requested_port = port  # 0: a free one (WorkerConfig.data_port)
@@ -100,7 +108,7 @@ class DataPort:
         self.on_sent: Callable[[str, int, int], None] | None = None
 
     def start(self) -> None:
-        auth.check_bind(self._host)
+        auth.check_bind(self._host, self._tls_config)
         try:
             tcp = _listen_tcp(self._host, self._requested_port)
         except OSError as error:
@@ -164,12 +172,14 @@ class DataPort:
             if conn.family != socket.AF_UNIX:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(HANDSHAKE_TIMEOUT_S)
+            if self._tls is not None and conn.family != socket.AF_UNIX:
+                conn = self._wrap(conn)
             if not self._handshake(conn):
                 return
             while True:
                 conn.settimeout(None)  # idle between requests; stop() shuts it down
                 try:
-                    head = conn.recv(LENGTH.size, socket.MSG_WAITALL)
+                    head = _recv_head(conn)
                 except OSError:
                     return
                 if len(head) < LENGTH.size:
@@ -187,6 +197,24 @@ class DataPort:
                 self._connections.discard(conn)
                 self._lock.notify_all()
             conn.close()
+
+    def _wrap(self, conn: socket.socket) -> ssl.SSLSocket:
+        """TLS over `conn`; the wrapped socket replaces it in `_connections` (wrapping takes
+        over the descriptor) before the handshake, so stop() can still cut it."""
+        assert self._tls is not None
+        wrapped = self._tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+        with self._lock:
+            self._connections.discard(conn)
+            self._connections.add(wrapped)
+        try:
+            wrapped.do_handshake()
+        except BaseException as error:
+            logger.warning("data port: refused a TLS connection: %s", error)
+            with self._lock:
+                self._connections.discard(wrapped)
+            wrapped.close()
+            raise
+        return wrapped
 
     def _handshake(self, conn: socket.socket) -> bool:
         magic, version, length = HELLO.unpack(recv_exactly(conn, HELLO.size))
@@ -219,6 +247,16 @@ class DataPort:
         header_bytes = header.SerializeToString()
         head = STATUS_LENGTH.pack(OK, len(header_bytes)) + header_bytes
         send_buffers(conn, [head, *payloads])
+
+
+def _recv_head(conn: socket.socket) -> bytes:
+    """The next request's length prefix, or fewer bytes when the client closed."""
+    if not isinstance(conn, ssl.SSLSocket):
+        return conn.recv(LENGTH.size, socket.MSG_WAITALL)
+    try:
+        return recv_exactly(conn, LENGTH.size)  # TLS allows no recv flags
+    except EOFError:
+        return b""
 
 
 def _shutdown(sock: socket.socket, how: int) -> None:

@@ -117,7 +117,7 @@ class WorkerServer:
     def start(self) -> None:
         if self._server is not None:
             return
-        auth.check_bind(self._config.host)  # before any executor process is started
+        auth.check_bind(self._config.host, self._config.tls)  # before executors start
         self._tasks = TaskManager(self._dataset, self._get_split, self._report_completed,
                                   self._config.effective_num_processes,
                                   forget_dataset=self._forget_dataset,
@@ -128,13 +128,15 @@ class WorkerServer:
             self._tasks.start()  # spawn executors before gRPC starts its threads
             self._service = WorkerService(self._tasks, self._registered.is_set)
             self._server, self._port = start_grpc_server(
-                self._register_services, self._config.host, self._config.port)
+                self._register_services, self._config.host, self._config.port,
+                tls=self._config.tls)
             self._address = worker_address(self._config, self._port)
             inprocess.register(self._address, self._service)
             # Elements also travel over a plain socket: gRPC caps big payloads
             # (worker/data_port.py).
             self._data_port = DataPort(self._service.fetch, self._registered.is_set,
-                                       self._config.host, self._config.data_port)
+                                       self._config.host, self._config.data_port,
+                                       tls=self._config.tls)
             self._data_port.on_sent = self._service.counters.sent
             self._data_port.start()
             self._start_metrics()

@@ -1,0 +1,188 @@
+"""TLS and mTLS on gRPC and the data port, with certificates made here by `openssl`; and the
+reader's fallback to gRPC streaming when a worker's data port cannot be reached."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import ssl
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import torch_dataservice as tds
+from tests.conftest import HOST, ProcessCluster, free_port
+from torch_dataservice import auth
+from torch_dataservice.client import data_port as client
+from torch_dataservice.client import transports
+from torch_dataservice.errors import ServiceUnavailableError
+from torch_dataservice.wire.data_port import ACCEPTED, HELLO, MAGIC, VERSION
+
+OPENSSL = shutil.which("openssl")
+pytestmark = pytest.mark.skipif(OPENSSL is None, reason="needs the openssl command")
+EXTENSIONS = """\
+basicConstraints = CA:FALSE
+keyUsage = digitalSignature, keyEncipherment
+extendedKeyUsage = serverAuth, clientAuth
+subjectKeyIdentifier = hash
+authorityKeyIdentifier = keyid
+subjectAltName = IP:127.0.0.1, DNS:localhost
+"""
+N = 40
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run([OPENSSL, *args], cwd=cwd, check=True, capture_output=True, timeout=30)
+
+
+def _issue(name: str, cwd: Path) -> None:
+    """`name`.pem/.key signed by ca.pem, valid for 127.0.0.1 and localhost (both roles)."""
+    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=cwd)
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+             "-CAcreateserial", "-days", "2", "-extfile", "ext.cnf", "-out", f"{name}.pem",
+             cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA, a server certificate and a client certificate (all PEM) in one directory."""
+    cwd = tmp_path_factory.mktemp("certs")
+    (cwd / "ext.cnf").write_text(EXTENSIONS)
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+             "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj",
+             "/CN=tds-test-ca", "-addext", "basicConstraints=critical,CA:TRUE",
+             "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=cwd)
+    _issue("server", cwd)
+    _issue("client", cwd)
+    return cwd
+
+
+def server_tls(certs: Path, mutual: bool = False) -> tds.TLSConfig:
+    return tds.TLSConfig(str(certs / "server.pem"), str(certs / "server.key"),
+                         str(certs / "ca.pem") if mutual else None)
+
+
+def trust(monkeypatch: pytest.MonkeyPatch, certs: Path, cert: str | None = None) -> None:
+    """This process's clients trust the test CA (and present `cert` when given)."""
+    monkeypatch.setenv(auth.TLS_CA_ENV, str(certs / "ca.pem"))
+    for env, suffix in ((auth.TLS_CERT_ENV, "pem"), (auth.TLS_KEY_ENV, "key")):
+        if cert is None:
+            monkeypatch.delenv(env, raising=False)
+        else:
+            monkeypatch.setenv(env, str(certs / f"{cert}.{suffix}"))
+
+
+@pytest.fixture
+def tls_cluster(certs: Path, monkeypatch: pytest.MonkeyPatch
+                ) -> Iterator[tuple[tds.DispatchServer, tds.WorkerServer]]:
+    """A dispatcher and a worker in this process serving over TLS (no client certificates)."""
+    trust(monkeypatch, certs)
+    tls = server_tls(certs)
+    dispatcher = tds.DispatchServer(tds.DispatcherConfig(host=HOST, tls=tls))
+    worker = None
+    try:
+        worker = tds.WorkerServer(tds.WorkerConfig(dispatcher.address, host=HOST, tls=tls,
+                                                   num_processes=1, heartbeat_interval_ms=100))
+        yield dispatcher, worker
+    finally:
+        if worker is not None:
+            worker.stop()
+        dispatcher.stop()
+
+
+def read_epoch(target: str, job_name: str) -> list[int]:
+    pipeline = tds.Pipeline.range(N).apply(tds.distribute(
+        "distributed_epoch", target, job_name=job_name, target_workers="ANY"))
+    return sorted(int(x) for x in pipeline)
+
+
+@pytest.mark.timeout(10)
+def test_tls_config_names_files_it_cannot_read(certs: Path, tmp_path: Path) -> None:
+    missing = str(tmp_path / "nope.pem")
+    with pytest.raises(ValueError, match="nope.pem"):
+        tds.TLSConfig(missing, str(certs / "server.key"))
+    with pytest.raises(ValueError, match="ca_file"):
+        tds.TLSConfig(str(certs / "server.pem"), str(certs / "server.key"), missing)
+    with pytest.raises(ValueError, match="tls must be a TLSConfig"):
+        tds.DispatcherConfig(tls="server.pem")  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(10)
+def test_mtls_stands_in_for_the_token_beyond_loopback(
+        certs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
+    monkeypatch.delenv(auth.ALLOW_UNAUTHENTICATED_ENV, raising=False)
+    auth.check_bind("0.0.0.0", server_tls(certs, mutual=True))
+    with pytest.raises(ValueError, match="--tls-ca"):
+        auth.check_bind("0.0.0.0", server_tls(certs))  # encryption alone lets anyone in
+
+
+@pytest.mark.timeout(60)
+def test_a_dynamic_epoch_travels_over_tls(tls_cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    dispatcher, worker = tls_cluster
+    sockets: list[socket.socket] = []
+    connect = client._connect_tcp
+
+    def spy(host: str, port: int) -> socket.socket:
+        sockets.append(connect(host, port))
+        return sockets[-1]
+
+    monkeypatch.setattr(client, "_connect_tcp", spy)
+    assert read_epoch(dispatcher.target, "tls-epoch") == list(range(N))
+    assert sockets and all(isinstance(s, ssl.SSLSocket) for s in sockets)
+    # A plaintext client of the data port gets no answer but the end of the connection.
+    with socket.create_connection((HOST, worker.data_port), timeout=5) as plain:
+        plain.sendall(HELLO.pack(MAGIC, VERSION, 0))
+        try:
+            answer = plain.recv(1)  # a TLS alert, or nothing
+        except ConnectionResetError:
+            answer = b""
+        assert answer != ACCEPTED
+
+
+@pytest.mark.timeout(30)
+def test_a_reader_that_does_not_trust_the_ca_is_refused_quickly(
+        tls_cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    dispatcher, _ = tls_cluster
+    monkeypatch.delenv(auth.TLS_CA_ENV)
+    monkeypatch.setenv("TORCH_DATASERVICE_CONNECT_TIMEOUT_S", "1")
+    began = time.monotonic()
+    with pytest.raises(ServiceUnavailableError, match="TLS"):
+        read_epoch(dispatcher.target, "no-ca")
+    assert time.monotonic() - began < 15
+
+
+@pytest.mark.timeout(120)
+def test_cli_servers_with_mtls(certs: Path, process_cluster: ProcessCluster,
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    flags = ["--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server.key"),
+             "--tls-ca", str(certs / "ca.pem")]
+    process_cluster.start_dispatcher(*flags)
+    process_cluster.start_worker(*flags, "--data-port", str(free_port()))
+    trust(monkeypatch, certs, cert="client")
+    assert read_epoch(process_cluster.target, "mtls-epoch") == list(range(N))
+    trust(monkeypatch, certs)  # the CA, but no client certificate
+    monkeypatch.setenv("TORCH_DATASERVICE_CONNECT_TIMEOUT_S", "1")
+    with pytest.raises(ServiceUnavailableError, match="TLS"):
+        read_epoch(process_cluster.target, "mtls-refused")
+
+
+@pytest.mark.timeout(60)
+def test_an_unreachable_data_port_falls_back_to_grpc_with_one_warning(
+        cluster_factory, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    cluster = cluster_factory(1)
+    closed = free_port()  # nothing listens there
+    monkeypatch.setattr(transports, "data_target",
+                        lambda info, target_workers: ("tcp", HOST, closed))
+    with caplog.at_level(logging.WARNING, logger=transports.__name__):
+        assert read_epoch(cluster.target, "fallback") == list(range(N))
+    warnings = [r for r in caplog.records if r.name == transports.__name__]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    message = warnings[0].getMessage()
+    assert cluster.workers[0].address in message and str(closed) in message
