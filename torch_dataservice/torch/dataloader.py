@@ -119,6 +119,7 @@ class DataLoader(torch.utils.data.DataLoader):
         compression: str | None = "AUTO",
         max_outstanding_requests: int | None = None,
     ) -> None:
+        """torch's DataLoader arguments, then the service's (long: torch's signature)."""
         _check_worker_arguments(num_workers, prefetch_factor, persistent_workers)
         # torch validates everything else (sampler/shuffle/batch_sampler/drop_last conflicts,
         # iterable datasets with samplers) and resolves the samplers and collate_fn; with no

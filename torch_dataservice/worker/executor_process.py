@@ -214,6 +214,8 @@ class _Replica:
             self._bytes_in_flight += size
 
     def _run(self) -> None:
+        """The replica's one loop: pull, tag, encode, send, and time each stage. Kept whole
+        (61 lines): it is the per-element hot path, each step visible in one place."""
         ctx = ExecutionContext(split_provider=self if self._use_splits else None)
         try:
             last_split = None
