@@ -78,7 +78,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         for update in updates:
             if update is None:
                 continue
-            self._journal.append(update)  # durable before any reply: see _durable
+            self._journal.append(update)  # durable before any reply: see observe.durable
             self._state.apply(update)
         self._journal.maybe_compact(self._state)
 
