@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from typing import Any
 
@@ -32,13 +33,27 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is when a record is emitted: a caller that swaps it
+    (a test harness running the CLI in-process) must not leave the root logger writing to a
+    closed stream."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def configure(level: str, log_format: str | None = None) -> None:
     """Configure the root logger for a server process (`log_format` None: the env
     TORCH_DATASERVICE_LOG_FORMAT, else text)."""
     log_format = log_format or os.environ.get("TORCH_DATASERVICE_LOG_FORMAT", "text")
     if log_format not in FORMATS:
         raise ValueError(f"log format must be one of {FORMATS}, got {log_format!r}")
-    handler = logging.StreamHandler()
+    handler = _StderrHandler()
     handler.setFormatter(JsonFormatter() if log_format == "json"
                          else logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
