@@ -42,6 +42,7 @@ from torch_dataservice.observability.client import ClientStats
 from torch_dataservice.policies import STATIC_POLICIES, ShardingPolicy
 from torch_dataservice.proto import common_pb2, worker_pb2
 from torch_dataservice.rpc import rpc_error_to_exception
+from torch_dataservice.serving import close_and_join
 from torch_dataservice.wire import codec, inprocess
 from torch_dataservice.wire.inprocess import LocalElement
 
@@ -347,12 +348,4 @@ _readers: weakref.WeakSet[IterationReader] = weakref.WeakSet()
 
 @atexit.register
 def _close_readers() -> None:
-    readers = list(_readers)
-    for reader in readers:
-        try:
-            reader.close()
-        except Exception:  # exiting anyway: never turn a clean exit into a failure
-            pass
-    deadline = time.monotonic() + EXIT_JOIN_S
-    for reader in readers:
-        reader.join(deadline)
+    close_and_join(list(_readers), EXIT_JOIN_S)

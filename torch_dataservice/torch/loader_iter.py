@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch_dataservice.observability.client import ClientStats, collecting
+from torch_dataservice.serving import close_and_join
 from torch_dataservice.torch.fetch import BatchError
 from torch_dataservice.torch.shards import ShardEnd
 
@@ -219,15 +220,7 @@ class LoaderIterator:
 
 def close_all() -> None:
     """Close every live iterator and wait (briefly) for their reading threads."""
-    iterators = list(_live)
-    for iterator in iterators:
-        try:
-            iterator.close()
-        except Exception:  # exiting anyway: never turn a clean exit into a failure
-            pass
-    deadline = time.monotonic() + EXIT_JOIN_S
-    for iterator in iterators:
-        iterator.join(deadline)
+    close_and_join(list(_live), EXIT_JOIN_S)
 
 
 def _run_reading(reading: Reading, out: queue.Queue, stop: threading.Event,
