@@ -301,7 +301,8 @@ class IterationReader:
                         self.close()
                         raise StopIteration
         finally:
-            self._figures.waited(blocked)
+            if blocked is not None:
+                self._figures.waited(blocked)
 
     def _take(self, batch: Batch) -> Any:
         """The batch's next element, decoded (acknowledged under exactly-once)."""

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
@@ -65,9 +65,14 @@ _EXECUTOR_BOOT = (
 )
 
 
+Arrived = tuple[ReplicaKey, SplitKey | None, int, bytes | memoryview | LocalElement]
+
+
 class ExecutorListener(Protocol):
-    def on_element(self, key: ReplicaKey, split: SplitKey | None, offset: int,
-                   payload: bytes | memoryview | LocalElement) -> None: ...
+    def on_elements(self, items: Iterable[Arrived]) -> None:
+        """Elements (key, split, offset, payload) in the order the executor made them; one
+        call per message, so that the listener locks and wakes once for several."""
+
 
     def on_end(self, key: ReplicaKey) -> None: ...
 
@@ -203,18 +208,20 @@ class ExecutorPool:
         listener = self._listener
         match message:
             case SmallElements(items):  # several per message
-                for key, split, offset, payload in items:
-                    listener.on_element(key, split, offset, payload)
+                listener.on_elements(items)
             case LocalElements(items):  # objects of an executor thread, by token
                 assert slot.local is not None
-                for key, split, offset, token in items:
-                    listener.on_element(key, split, offset, slot.local.pop(token))
+                local = slot.local
+                listener.on_elements([(key, split, offset, local.pop(token))
+                                      for key, split, offset, token in items])
             case SegmentElement(key, split, offset, size, segment, capacity):  # shared memory
                 if capacity:  # a new segment: its fd follows
                     slot.segments.add(segment, shm.recv_fd(slot.sock), capacity)
-                listener.on_element(key, split, offset, slot.segments.payload(segment, size))
+                listener.on_elements(
+                    ((key, split, offset, slot.segments.payload(segment, size)),))
             case BigElement(key, split, offset, size):  # its payload follows as raw bytes
-                listener.on_element(key, split, offset, read_exactly(slot.conn.fileno(), size))
+                listener.on_elements(
+                    ((key, split, offset, read_exactly(slot.conn.fileno(), size)),))
             case End(key):
                 listener.on_end(key)
             case Failed(key, error):

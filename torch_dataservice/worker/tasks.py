@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +25,7 @@ from torch_dataservice.pipeline.sharding import plan_replicas
 from torch_dataservice.pipeline.split_cursor import LocalSplitCursor
 from torch_dataservice.proto import common_pb2, worker_pb2
 from torch_dataservice.wire.inprocess import payload_nbytes
-from torch_dataservice.worker.executor import ExecutorPool
+from torch_dataservice.worker.executor import Arrived, ExecutorPool
 from torch_dataservice.worker.flow import LINGER_ELEMENTS, LINGER_S, Arrivals, CreditLedger
 from torch_dataservice.worker.local import encode_elements
 from torch_dataservice.worker.messages import (
@@ -360,18 +360,33 @@ class TaskManager:
     def _task_for(self, key: ReplicaKey) -> Task | None:
         return self.get(key[0])
 
-    def on_element(self, key: ReplicaKey, split: SplitKey | None, offset: int,
-                   payload: Any) -> None:
-        task = self._task_for(key)
-        if task is None:
+    def on_elements(self, items: Iterable[Arrived]) -> None:
+        """Buffer elements from an executor: one lock and one wake-up per run of one replica's
+        elements (a message carries several), not per element."""
+        task = None
+        key: ReplicaKey | None = None
+        admitted: list[BufferedElement] = []
+        for item_key, split, offset, payload in items:
+            if item_key != key:
+                self._buffer(task, admitted)
+                key, admitted = item_key, []
+                task = self._task_for(item_key)
+            if task is not None:
+                admitted.append(BufferedElement(payload, split, offset, item_key[1]))
+        self._buffer(task, admitted)
+
+    @staticmethod
+    def _buffer(task: Task | None, elements: list[BufferedElement]) -> None:
+        if task is None or not elements:
             return
-        element = BufferedElement(payload, split, offset, key[1])
         now = time.monotonic()
+        order = task.order
         with task.cond:
-            task.arrivals.note(now)
-            if task.order.admit(key[1], split, element):
-                task.buffer.append(element)
-                task.wake()
+            for element in elements:
+                task.arrivals.note(now)
+                if order.admit(element.replica, element.split, element):
+                    task.buffer.append(element)
+            task.wake()
 
     @staticmethod
     def _release(task: Task, elements: list[BufferedElement]) -> None:
