@@ -228,6 +228,31 @@ def test_compression_skipped_for_incompressible_data() -> None:
     assert_same(decode(b"".join(auto_parts)), element)
 
 
+def test_incompressible_buffer_is_judged_from_samples(monkeypatch) -> None:
+    """A big random buffer is not compressed whole only to be thrown away: snappy sees a
+    small sample of it. A compressible one of the same size is compressed whole."""
+    from torch_dataservice.wire import codec
+
+    compressed_bytes: list[int] = []
+    real = codec.snappy.compress
+
+    def counting(data):
+        compressed_bytes.append(memoryview(data).nbytes)
+        return real(data)
+
+    monkeypatch.setattr(codec.snappy, "compress", counting)
+    random_tensor = torch.frombuffer(bytearray(os.urandom(4 << 20)), dtype=torch.uint8)
+    parts = encode(random_tensor, "AUTO")
+    assert sum(compressed_bytes) < (4 << 20) // 20, compressed_bytes
+    assert_same(decode(b"".join(parts)), random_tensor)
+    compressed_bytes.clear()
+    zeros = torch.zeros(4 << 20, dtype=torch.uint8)
+    parts = encode(zeros, "AUTO")
+    assert sum(compressed_bytes) > 4 << 20  # the samples, then the whole buffer
+    assert payload_size(parts) < (4 << 20) // 10
+    assert_same(decode(b"".join(parts)), zeros)
+
+
 def test_compressible_pickle_stream_is_compressed() -> None:
     element = ["the same string"] * 2000
     plain = payload_size(encode(element, None))

@@ -54,6 +54,13 @@ _PAD = bytes(_ALIGN)
 # Below these sizes compression cannot pay for itself.
 _MIN_COMPRESS_BUFFER = 64
 _MIN_COMPRESS_STREAM = 1024
+# Buffers this large are compressed only if _SAMPLES samples of _SAMPLE_BYTES each shrink to
+# _SAMPLE_RATIO of their size (snappy keeps random bytes at ~100%, and a 10% gain does not
+# pay for compressing and decompressing on a fast link).
+_SAMPLE_FROM = 256 * 1024
+_SAMPLES = 8
+_SAMPLE_BYTES = 8 * 1024
+_SAMPLE_RATIO = 0.9
 # bytes objects this large go out-of-band too, so they are not copied into the pickle stream.
 _MIN_OUT_OF_BAND_BYTES = 4096
 # Elements the standard pickler encodes exactly as ours would.
@@ -137,9 +144,25 @@ def _check_compression(compression: str | None) -> bool:
     )
 
 
+def _worth_compressing(data: Part) -> bool:
+    """Whether a big buffer looks compressible, judged from a few samples spread over it.
+
+    Compressing a whole buffer of random or already compressed bytes (images, audio) costs
+    about a millisecond per MiB and is then thrown away; compressing the samples costs a few
+    percent of that. A buffer compressible only where no sample looks goes uncompressed:
+    that costs bandwidth, never correctness.
+    """
+    view = memoryview(data).cast("B")
+    step = len(view) // _SAMPLES
+    sample = b"".join(view[i * step:i * step + _SAMPLE_BYTES] for i in range(_SAMPLES))
+    return len(snappy.compress(sample)) <= _SAMPLE_RATIO * len(sample)
+
+
 def _maybe_compress(data: Part, minimum: int) -> tuple[Part, bool]:
     """Snappy-compress ``data`` if that makes it smaller; otherwise keep it as is."""
     if len(data) < minimum:
+        return data, False
+    if len(data) >= _SAMPLE_FROM and not _worth_compressing(data):
         return data, False
     compressed = snappy.compress(data)
     if len(compressed) < len(data):
