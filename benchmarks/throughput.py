@@ -16,6 +16,9 @@ same run:
       returning a 16 KB tensor, and the same returning a float
                                                   vs  torch's DataLoader(num_workers=2) over
                                                       the same map, element by element
+  (e) `batch(256)` of tiny elements, read as distributed_epoch (DYNAMIC: one split of 256
+      elements per batch, exactly-once bookkeeping)
+                                                  vs  the same read as parallel_epochs
 
 Two more reference rows say what the machine itself allowed during the run: bare gRPC moving
 16 MB replies (the ceiling of any gRPC data path), and the map in 2 plain processes vs 1 (what
@@ -495,10 +498,14 @@ def _tensor_map_rounds(settings: Settings, rounds: int, cluster: Cluster, fn: Ma
     return best
 
 
-def service_reader(address: str, pipeline, compression: str | None) -> Iterator:
+BATCH = 256  # (e): elements per batch and per DYNAMIC split
+
+
+def service_reader(address: str, pipeline, compression: str | None,
+                   mode: str = "parallel_epochs") -> Iterator:
     import torch_dataservice as tds
 
-    return iter(pipeline.apply(tds.distribute("parallel_epochs", f"grpc://{address}",
+    return iter(pipeline.apply(tds.distribute(mode, f"grpc://{address}",
                                               target_workers=TARGET_WORKERS,
                                               compression=compression)))
 
@@ -569,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="measurements of each figure (default: 2 quick, 4 full)")
     parser.add_argument("--processes", type=int, default=1,
                         help="executor processes of the worker for (a) and (b) (default 1)")
-    parser.add_argument("--only", choices=("a", "b", "c", "d"), action="append",
+    parser.add_argument("--only", choices=("a", "b", "c", "d", "e"), action="append",
                         help="run only these sections (repeatable)")
     parser.add_argument("--target-workers", choices=("AUTO", "ANY"), default="AUTO",
                         help="AUTO reads the worker through its Unix socket (same host), ANY "
@@ -583,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     METRICS = args.metrics
     settings = QUICK if args.quick else FULL
     rounds = args.rounds or settings.rounds
-    sections = set(args.only or ("a", "b", "c", "d"))
+    sections = set(args.only or ("a", "b", "c", "d", "e"))
     began = time.perf_counter()
 
     import torch
@@ -601,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     ours: dict = {}  # figure key -> best value
     base: dict = {}  # baseline key -> best value
 
-    needed = ({args.processes} if sections & {"a", "b"} else set()) | (
+    needed = ({args.processes} if sections & {"a", "b", "e"} else set()) | (
         {1, 2} if "c" in sections else set()) | ({2} if "d" in sections else set())
     with contextlib.ExitStack() as stack:
         clusters = start_clusters(sorted(needed), stack)
@@ -633,6 +640,16 @@ def main(argv: list[str] | None = None) -> int:
                                 f"{bps / MB:,.0f} MB/s")
                     log(f"  raw TCP {base['tcp']:,.0f} MB/s, bare gRPC 16 MB replies "
                         f"{base['grpc16']:,.0f} MB/s (best so far)")
+
+        for round_index in range(rounds) if "e" in sections else ():
+            log(f"round {round_index + 1}/{rounds} of (e)")
+            n = settings.tiny_elements * 10
+            for mode in ("parallel_epochs", "distributed_epoch"):
+                pipeline = tds.Pipeline.range(n).with_split_size(BATCH).batch(BATCH)
+                rate, _ = timed_read(service_reader(clusters[args.processes].address, pipeline,
+                                                    None, mode), settings.warmup)
+                best(ours, f"batched/{mode}", rate * BATCH)
+                log(f"  batch({BATCH}), {mode}: {rate * BATCH:,.0f} elements/s")
 
         if "c" in sections:
             spin = Spin(spin_loops)
@@ -685,6 +702,11 @@ def main(argv: list[str] | None = None) -> int:
         # What the machine allowed in the same run: 2 plain processes vs 1, no service at all.
         rows.append(Row("(c) bare 2 proc vs 1", base["bare2"], "elem/s", "bare 1 proc",
                         base["bare1"], "elem/s", base["bare2"] / base["bare1"], "x", None))
+
+    if "e" in sections:
+        dynamic, parallel = ours["batched/distributed_epoch"], ours["batched/parallel_epochs"]
+        rows.append(Row(f"(e) batch({BATCH}) DYNAMIC", dynamic, "elem/s", "parallel_epochs",
+                        parallel, "elem/s", dynamic / parallel, "x", 0.7))
 
     for output in ("tensor", "float") if "d" in sections else ():
         got = {key.split("/")[1]: value for key, value in tensor_map.items()

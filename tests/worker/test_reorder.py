@@ -26,7 +26,7 @@ class Front:
     def ask(self, replica: int, split: object | None = None, number: int | None = None) -> None:
         self.out += self.order.finished(replica)
         if split is not None:
-            self.out += self.order.handed(replica, split, number)
+            self.order.handed(replica, split, number)
 
 
 def test_a_later_split_waits_for_the_head_split() -> None:
@@ -119,3 +119,22 @@ def test_random_interleavings_release_every_element_in_split_order() -> None:
                 current[r] = None
         expected = [f"{s}.{k}" for s, count in splits for k in range(count)]
         assert front.out == expected
+
+
+def test_a_replica_asking_ahead_holds_two_splits_and_finishes_them_by_name() -> None:
+    """A replica asks for its next split while it reads one (worker/executor_process.py):
+    handing it the next finishes nothing; its report names the split it finished."""
+    front = Front()
+    front.order.handed(0, "a")
+    front.order.handed(0, "b")  # asked ahead while reading a
+    front.order.handed(1, "c")
+    front.element(0, "a", "a0")
+    front.element(1, "c", "c0")  # c waits for a and b
+    assert front.out == ["a0"]
+    front.out += front.order.finished(0, "a")  # replica 0 reports a finished, reads b
+    front.element(0, "b", "b0")
+    assert front.out == ["a0", "b0"]
+    front.out += front.order.finished(0, "zzz")  # unknown split: nothing happens
+    assert front.out == ["a0", "b0"]
+    front.out += front.order.finished(0)  # replica 0 ended: every split it held finished
+    assert front.out == ["a0", "b0", "c0"] and front.order.held == 0

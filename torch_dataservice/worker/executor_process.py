@@ -144,6 +144,8 @@ class _Replica:
         self._splits_taken = 0
         self._produced: dict[tuple[int, int], int] = {}
         self._skip: dict[tuple[int, int], frozenset[int]] = {}
+        # The ask for the split after the one being read: (repetition asked, request id).
+        self._ahead: tuple[int, int] | None = None
         self.thread = threading.Thread(target=self._run, name=f"replica-{key}", daemon=True)
 
     # --- called by the executor's receive loop
@@ -169,31 +171,54 @@ class _Replica:
 
     # --- the replica thread
     def get_split(self, source_index: int, repetition: int) -> int | None:
-        request_id = next(self._request_ids)
+        """The next split of `repetition`. The replica asks for the one after it at once, so
+        that the answer's round trip (front, dispatcher) overlaps reading this one instead of
+        leaving the executor idle between splits; the finished split's report rides on that
+        ask. An ask answered 'no more' is not taken as is when a report is still pending or
+        the repetition differs: asked again, so the end is always known after the report."""
         finished = None
         if self._holding is not None:
             # Synchronous chains ask for the next split only after emitting all of this one.
             finished = FinishedSplit(*self._holding, self._produced.pop(self._holding, 0))
             self._skip.pop(self._holding, None)
             self._holding = None
-        # Written right away: this replica waits for the answer.
         asked = time.perf_counter()
-        self._executor.send(SplitRequest(self.key, request_id, repetition, finished), inline=True)
+        reply = None
+        if self._ahead is not None:
+            ahead_repetition, request_id = self._ahead
+            self._ahead = None
+            reply = self._wait_reply(request_id)
+            if reply.index is None and (finished is not None or ahead_repetition != repetition):
+                reply = None
+        if reply is None:
+            reply = self._wait_reply(self._ask(repetition, finished))
+            finished = None
+        self.clock.times[stages.SPLIT] += time.perf_counter() - asked
+        if reply.index is None:
+            return None
+        self._holding = (repetition if reply.repetition is None else reply.repetition,
+                         reply.index)
+        self._split_key = self._holding
+        self._splits_taken += 1
+        if reply.skip:
+            self._skip[self._holding] = frozenset(reply.skip)
+        self._ahead = (repetition, self._ask(repetition, finished))
+        return reply.index
+
+    def _ask(self, repetition: int, finished: FinishedSplit | None) -> int:
+        """Ask the front for a split (written right away: the answer is awaited); its id."""
+        request_id = next(self._request_ids)
+        self._executor.send(SplitRequest(self.key, request_id, repetition, finished),
+                            inline=True)
+        return request_id
+
+    def _wait_reply(self, request_id: int) -> SplitReply:
         with self._cond:
             while request_id not in self._split_replies:
                 if self._stopped:
                     raise _Stopped
                 self._cond.wait(1.0)
-            reply = self._split_replies.pop(request_id)
-        self.clock.times[stages.SPLIT] += time.perf_counter() - asked
-        if reply.index is not None:
-            self._holding = (repetition if reply.repetition is None else reply.repetition,
-                             reply.index)
-            self._split_key = self._holding
-            self._splits_taken += 1
-            if reply.skip:
-                self._skip[self._holding] = frozenset(reply.skip)
-        return reply.index
+            return self._split_replies.pop(request_id)
 
     def _take_credit(self, size: int) -> None:
         with self._cond:

@@ -7,11 +7,13 @@ split by split in that order, like torch's DataLoader (`in_order=True`) orders i
 batches: the elements of the earliest split not yet finished (the head) go out at once, later
 splits' elements wait here until every split before theirs is finished.
 
-A split is finished when its replica asks for its next split (a replica emits all of a split
-before it asks: the messages of one executor arrive in order) or ends. No deadlock: the head
-split's replica has all of its elements released (its earlier splits are finished, its later
-ones not taken yet), so readers drain them and its credits come back; a held split's replica
-only waits for credits, never the head. What waits here is bounded by the replicas' credits
+A split is finished when its replica reports it finished (with its next ask for a split, sent
+after it emitted all of the split: the messages of one executor arrive in order) or ends. A
+replica asks for its next split ahead (worker/executor_process.py), so it may hold two: the one
+it reads and the one it reads next. No deadlock: the head split's replica has all of its
+elements released (its earlier splits are finished, its later ones not started), so readers
+drain them and its credits come back; a held split's replica only waits for credits, never the
+head. What waits here is bounded by the replicas' credits
 (worker/executor_process.py), as it was in the task buffer.
 
 Elements without a split (replicas that read no splits: static sharding, one replica) and
@@ -40,25 +42,24 @@ class SplitOrder:
     def __init__(self) -> None:
         self._splits: dict[int, _Split] = {}  # hand-out number -> split, from the head on
         self._numbers: dict[_Key, int] = {}
-        self._current: dict[int, int] = {}  # replica -> the number of the split it reads
+        # replica -> the numbers of the splits it holds and has not finished, in hand-out order
+        self._open: dict[int, list[int]] = {}
         self._head = 0
         self._next = 0
         self._bypass = False
 
-    def handed(self, replica: int, split: Hashable, number: int | None = None) -> list[Any]:
+    def handed(self, replica: int, split: Hashable, number: int | None = None) -> None:
         """`split` goes to `replica` (called before the replica can see it), as the `number`-th
         split handed out (default: after every split so far; a caller that hands splits out
-        on several threads numbers them where it decides). Returns what this releases: a
-        replica takes a new split only once it finished the one before."""
-        released = self.finished(replica)
+        on several threads numbers them where it decides). It finishes no other split: the
+        replica may still be reading one (it asks ahead)."""
         if number is None:
             number = self._next
         self._next = max(self._next, number + 1)
         key = (replica, split)
         self._splits[number] = _Split(key)
         self._numbers[key] = number
-        self._current[replica] = number
-        return released
+        self._open.setdefault(replica, []).append(number)
 
     def admit(self, replica: int, split: Hashable | None, element: Any) -> bool:
         """True: release `element` now (after the elements returned so far); False: held."""
@@ -70,13 +71,22 @@ class SplitOrder:
         self._splits[number].held.append(element)
         return False
 
-    def finished(self, replica: int) -> list[Any]:
-        """`replica` finished its current split (it asks for another, or ended): the elements
+    def finished(self, replica: int, split: Hashable | None = None) -> list[Any]:
+        """`replica` finished `split` (None: every split it holds; it ended): the elements
         this releases, in order."""
-        number = self._current.pop(replica, None)
-        if number is None:
+        numbers = self._open.get(replica)
+        if not numbers:
             return []
-        self._splits[number].finished = True
+        if split is None:
+            done, numbers[:] = list(numbers), []
+        else:
+            number = self._numbers.get((replica, split))
+            if number is None or number not in numbers:
+                return []
+            numbers.remove(number)
+            done = [number]
+        for number in done:
+            self._splits[number].finished = True
         return self._advance()
 
     def flush(self) -> list[Any]:
@@ -86,7 +96,7 @@ class SplitOrder:
                     for element in self._splits[number].held]
         self._splits.clear()
         self._numbers.clear()
-        self._current.clear()
+        self._open.clear()
         self._bypass = True
         return released
 

@@ -449,12 +449,15 @@ class TaskManager:
         if task is None:
             return
         replica, slot = key[1], task.replicas[key[1]]
-        with task.cond:  # it asks after emitting all of its split: that one is finished
-            self._release(task, task.order.finished(replica))
+        finished = request.finished
+        with task.cond:  # it reports a split finished once it emitted all of it
+            if finished is not None:
+                self._release(task, task.order.finished(
+                    replica, (finished.repetition, finished.index)))
             if task.local_cursor is not None:  # taken and numbered at once: in cursor order
                 index = task.local_cursor.next(repetition)
                 if index is not None:
-                    self._release(task, task.order.handed(replica, (repetition, index)))
+                    task.order.handed(replica, (repetition, index))
         if task.local_cursor is not None:
             self._executors.send(slot, SplitReply(key, request_id, index))
             return
@@ -467,8 +470,7 @@ class TaskManager:
                 self._executors.send(slot, SplitReply(key, request_id, None, (), repetition))
             else:
                 with task.cond:
-                    self._release(task, task.order.handed(
-                        replica, (split.repetition, split.index), split.handed))
+                    task.order.handed(replica, (split.repetition, split.index), split.handed)
                 self._executors.send(slot, SplitReply(key, request_id, split.index, split.skip,
                                                       split.repetition))
 
