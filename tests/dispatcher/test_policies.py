@@ -216,3 +216,35 @@ def test_a_lost_task_waits_for_its_replacement_when_no_other_task_is_left() -> N
     assert coordinated.note_blocked(state, blocked, iteration, _blocked(1, 5)) is None
     state.apply(register_worker("w0:1", uid=8))  # restarted: it joins, then they leave
     assert coordinated.joining_workers(state, iteration) == ["w0:1"]
+
+
+def test_a_shared_iteration_ends_for_its_clients_once_its_splits_settle_or_time_runs_out(
+        ) -> None:
+    """Two clients share an iteration whose tasks ran to their end, but a split is not
+    settled: one of them may have died holding its elements, so neither is told "finished"
+    until the split settles, or for at most twice worker_timeout_ms."""
+    state = build(*one_iteration(), acquire_client(3001, 2000),
+                  produce_split(2000, 0, 0, task_id=4000), produce_split(2000, 0, -1, 4000),
+                  finish_task(4000), finish_task(4001))
+    soft = SoftState.restored(state, now=0.0)
+    iteration = state.iteration(2000)
+    assert state.is_finished(iteration) and iteration.delivered  # split 0 is not settled
+    assert splits.end_held(state, soft, iteration, 1.0, WORKER_TIMEOUT_S)
+    assert not tasks.client_reply(state, iteration, (), None, True).iteration_finished
+    assert splits.end_held(state, soft, iteration, 1.0 + 2 * WORKER_TIMEOUT_S - 0.1,
+                           WORKER_TIMEOUT_S)
+    assert not splits.end_held(state, soft, iteration, 1.0 + 2 * WORKER_TIMEOUT_S,
+                               WORKER_TIMEOUT_S)
+    state.apply(dispatcher_pb2.Update(split_produced=dispatcher_pb2.SplitProduced(
+        iteration_id=2000, task_id=4000, split=common_pb2.SplitKey(repetition=0, index=0),
+        num_elements=2)))
+    state.apply(dispatcher_pb2.Update(record_delivered=dispatcher_pb2.RecordDelivered(
+        iteration_id=2000, splits=[dispatcher_pb2.ReceivedSplit(
+            split=common_pb2.SplitKey(repetition=0, index=0), offsets=[0, 1])])))
+    assert not iteration.delivered  # settled: the end is not held
+    assert not splits.end_held(state, soft, iteration, 2.0, WORKER_TIMEOUT_S)
+    alone = build(*one_iteration(), produce_split(2000, 0, 0, task_id=4000),
+                  produce_split(2000, 0, -1, 4000), finish_task(4000), finish_task(4001))
+    # One client holds what is not settled itself: nothing to wait for.
+    assert not splits.end_held(alone, SoftState.restored(alone, now=0.0),
+                               alone.iteration(2000), 1.0, WORKER_TIMEOUT_S)

@@ -172,9 +172,11 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             added: list[Update] = []
             if coordinated.is_coordinated(self._state, iteration):
                 added = self._coordinate(iteration, request)
+            held = self._state.is_finished(iteration) and splits.end_held(
+                self._state, self._soft, iteration, self._clock(), self._worker_timeout_s)
             reply = tasks.client_reply(self._state, iteration,
                                        self._soft.take_settled(iteration, request.client_id),
-                                       self._soft.proposals.get(iteration.iteration_id))
+                                       self._soft.proposals.get(iteration.iteration_id), held)
             pushes = self._effects.pushes(added)
         self._pusher.push(pushes)
         return reply

@@ -34,6 +34,9 @@ class SoftState:
     # the iterations that had one: what they did not acknowledge goes to the other clients.
     silent_clients: set[int] = field(default_factory=set)
     iterations_with_silent_clients: set[int] = field(default_factory=set)
+    # ... and since when a finished iteration's clients wait for its splits to settle before
+    # they are told it finished (dispatcher/splits.py end_held).
+    end_unsettled_since: dict[int, float] = field(default_factory=dict)
     # Splits settled per iteration, (repetition, index, elements), for the heartbeat replies
     # of its clients (they compact what they remember); `settled_base` is the position of the
     # first one kept, `settled_sent` each client's position. Lost: clients miss compaction.

@@ -84,6 +84,25 @@ def is_exactly_once(state: DispatcherState, iteration: Iteration) -> bool:
             and not config.HasField("num_consumers"))
 
 
+def end_held(state: DispatcherState, soft: SoftState, iteration: Iteration, now: float,
+             worker_timeout_s: float) -> bool:
+    """Whether clients of `iteration` are not told yet that it finished although its tasks
+    ran to their end: elements of it were received and not acknowledged (splits not settled)
+    and several clients read it. One of them may have died holding those elements; told
+    "finished", the others would leave before it is declared silent and what it held is
+    requeued (lost). So the end waits until every split is settled (clients acknowledge as
+    their consumers take: within a heartbeat or two of draining their buffers), or the holder
+    is declared silent and its splits requeued (the iteration is then not finished), at most
+    twice worker_timeout_ms: a live client that holds elements and does not consume them
+    keeps them, and the others end then."""
+    if (len(iteration.client_ids) < 2 or not iteration.delivered
+            or not is_exactly_once(state, iteration)):
+        soft.end_unsettled_since.pop(iteration.iteration_id, None)
+        return False
+    since = soft.end_unsettled_since.setdefault(iteration.iteration_id, now)
+    return now - since < 2 * worker_timeout_s
+
+
 def next_split(state: DispatcherState, soft: SoftState, iteration: Iteration, repetition: int,
                task: Task, now: float,
                worker_timeout_s: float) -> dispatcher_pb2.ProduceSplit | None:

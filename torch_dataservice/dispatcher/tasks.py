@@ -87,13 +87,14 @@ def task_infos(state: DispatcherState, iteration: Iteration) -> Iterator[common_
 
 
 def client_reply(state: DispatcherState, iteration: Iteration,
-                 settled: Iterable[tuple[int, int, int]], proposal: Any = None
-                 ) -> dispatcher_pb2.ClientHeartbeatResponse:
+                 settled: Iterable[tuple[int, int, int]], proposal: Any = None,
+                 end_held: bool = False) -> dispatcher_pb2.ClientHeartbeatResponse:
     """What a heartbeating client of `iteration` learns: its tasks, whether the iteration
-    finished, the lost tasks to fence and the splits settled (exactly-once DYNAMIC), the
-    removals and the proposed addition round (`proposal`) of coordinated reads."""
+    finished (not while `end_held`: see splits.end_held), the lost tasks to fence and the
+    splits settled (exactly-once DYNAMIC), the removals and the proposed addition round
+    (`proposal`) of coordinated reads."""
     reply = dispatcher_pb2.ClientHeartbeatResponse(
-        iteration_finished=state.is_finished(iteration))
+        iteration_finished=state.is_finished(iteration) and not end_held)
     if proposal is not None:
         reply.addition_round = proposal.round
     if splits.is_exactly_once(state, iteration):
