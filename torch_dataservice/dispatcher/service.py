@@ -22,6 +22,7 @@ from torch_dataservice.dispatcher import (
     coordinated,
     liveness,
     recovery,
+    resume,
     splits,
     status,
     tasks,
@@ -323,6 +324,12 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             granted.append((produce.repetition, produce.split_index))
         self._observe.splits += len(granted)
         return splits.split_response(iteration, tuple(granted))  # what a retry gets too
+
+    @servicer_method
+    def GetSplitSizes(self, request, context):
+        with self._lock:
+            iteration = self._state.iteration(request.iteration_id)
+            return resume.split_sizes(iteration.sizes, request.splits)
 
     # ------------------------------------------------------------------ status
     @servicer_method

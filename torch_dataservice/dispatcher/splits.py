@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from torch_dataservice.dispatcher import resume
 from torch_dataservice.dispatcher.soft import SoftState
 from torch_dataservice.dispatcher.state import DispatcherState, Iteration, Task
 from torch_dataservice.errors import NotReadyError
@@ -110,6 +111,8 @@ def next_split(state: DispatcherState, soft: SoftState, iteration: Iteration, re
             raise not_ready
         return None
     index = iteration.cursor_index if repetition == iteration.cursor_repetition else 0
+    # A resumed job skips the splits its trainer read whole before (dispatcher/resume.py).
+    index = resume.first_unconsumed(state.job(iteration.job_id).config, repetition, index)
     if index >= num_splits(state, iteration):
         if waiting:
             raise not_ready
