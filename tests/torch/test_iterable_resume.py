@@ -1,0 +1,62 @@
+"""tds.DataLoader over a DYNAMIC Pipeline: a state made of the splits the trainer yielded
+(torch/iterable_state.py), loaded by another loader, yields exactly the rest of the epoch."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+
+import pytest
+
+import torch_dataservice as tds
+from tests.conftest import Cluster
+from torch_dataservice.torch import iterable_state
+
+pytestmark = pytest.mark.timeout(60)
+N, BATCH = 120, 4
+
+
+def samples(batches) -> list[int]:
+    return [i for batch in batches for i in batch.tolist()]
+
+
+@pytest.mark.parametrize("split_size", [None, 8])
+def test_a_loaded_split_state_yields_exactly_the_rest(cluster: Cluster, split_size) -> None:
+    pipeline = tds.Pipeline.range(N)
+    if split_size:
+        pipeline = pipeline.with_split_size(split_size)
+    loader = tds.DataLoader(pipeline, batch_size=BATCH, service=cluster.target)
+    it = iter(loader)
+    before = samples(itertools.islice(it, 7))
+    state = json.loads(json.dumps(loader.state_dict()))
+    assert state["in_progress"] and state["epoch"] == 0 and state["consumed"]
+    assert len(json.dumps(state["consumed"])) < 200  # ranges, not per-sample lists
+    del it
+    resumed = tds.DataLoader(pipeline, batch_size=BATCH, service=cluster.target)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state  # not started yet: the loaded state
+    after = samples(resumed)
+    assert sorted(before + after) == list(range(N))
+    assert resumed.state_dict()["epoch"] == 1 and not resumed.state_dict()["in_progress"]
+    assert sorted(samples(resumed)) == list(range(N))  # the next epoch is whole
+
+
+def test_the_state_is_what_the_trainer_yielded(cluster: Cluster) -> None:
+    pipeline = tds.Pipeline.range(N).with_split_size(8)
+    loader = tds.DataLoader(pipeline, batch_size=BATCH, service=cluster.target,
+                            max_outstanding_requests=8)
+    it = iter(loader)
+    before = samples(itertools.islice(it, 3))
+    time.sleep(0.3)  # the reader and the loader's queue fill far ahead of 3 batches
+    state = loader.state_dict()
+    del it
+    resumed = tds.DataLoader(pipeline, batch_size=BATCH, service=cluster.target)
+    resumed.load_state_dict(state)
+    assert sorted(before + samples(resumed)) == list(range(N))
+
+
+def test_the_default_split_size_is_aligned_to_the_batch_size() -> None:
+    assert iterable_state.aligned(tds.Pipeline.range(1000), 3).source.split_size == 9
+    assert iterable_state.aligned(tds.Pipeline.range(1000).with_split_size(5), 3) \
+        .source.split_size == 5  # the user's choice is kept
