@@ -60,3 +60,30 @@ def test_the_default_split_size_is_aligned_to_the_batch_size() -> None:
     assert iterable_state.aligned(tds.Pipeline.range(1000), 3).source.split_size == 9
     assert iterable_state.aligned(tds.Pipeline.range(1000).with_split_size(5), 3) \
         .source.split_size == 5  # the user's choice is kept
+
+
+def share(epoch: int, finished: bool, consumed: list, sizes: list, yielded: int) -> dict:
+    saved = {"epoch": epoch, "batches_yielded": yielded, "in_progress": True, "rng": None,
+             "base_seed": None, "seeded": False, "rank": 0, "world_size": 2}
+    return {"saved": saved, "finished": finished, "next_epoch": epoch + 1, "next_rng": None,
+            "consumed": consumed, "sizes": sizes}
+
+
+def test_ranks_shares_merge_into_one_state() -> None:
+    # Rank 0 read offsets 0-1 of split 3 and split 0 whole; rank 1 offset 2 of split 3 and
+    # split 1 in part: split 3 (3 elements) is complete only together.
+    a = share(0, False, [{"repetition": 0, "complete": [[0, 1]], "partial": [[3, 2, []]]}],
+              [[0, 3, 3]], 3)
+    b = share(0, False, [{"repetition": 0, "complete": [], "partial": [[3, 0, [2]],
+                                                                      [1, 1, []]]}], [], 2)
+    merged = iterable_state._merged([a, b], 2)
+    assert merged["consumed"] == [{"repetition": 0, "complete": [[0, 1], [3, 4]],
+                                   "partial": [[1, 1, []]]}]
+    assert (merged["epoch"], merged["batches_yielded"], merged["in_progress"]) == (0, 5, True)
+    assert iterable_state._merged([b, a], 2) == merged  # the same on every rank
+
+
+def test_a_finished_epoch_saves_the_next_one() -> None:
+    done = share(0, True, [], [], 6)
+    merged = iterable_state._merged([done, done], 2)
+    assert (merged["epoch"], merged["in_progress"], merged["batches_yielded"]) == (1, False, 0)

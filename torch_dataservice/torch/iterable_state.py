@@ -195,7 +195,10 @@ def _local(loader: Any) -> dict[str, Any]:
     sizes = progress.source.sizes(consumed.partial_keys()) if progress.source else {}
     saved.update(epoch=progress.epoch, batches_yielded=progress.yielded, in_progress=True,
                  rng=state.encode_rng(progress.rng))
+    # A finished epoch: the next one draws from the RNG as it is now (not at the epoch's start).
+    next_rng = None if planner.seeded or not progress.finished else _rng_snapshot(loader)
     return {"saved": saved, "finished": progress.finished, "next_epoch": planner.next_epoch,
+            "next_rng": state.encode_rng(next_rng),
             "consumed": consumed.to_data(), "sizes": [[*k, n] for k, n in sizes.items()]}
 
 
@@ -208,7 +211,8 @@ def _merged(shares: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
         if not done:
             return dict(shares[0]["saved"])
         saved = dict(done[0]["saved"])
-        saved.update(epoch=done[0]["next_epoch"], batches_yielded=0, in_progress=False)
+        saved.update(epoch=done[0]["next_epoch"], batches_yielded=0, in_progress=False,
+                     rng=done[0]["next_rng"])
         return saved
     epoch = max(s["saved"]["epoch"] for s in reading)
     same = [s for s in shares if "consumed" in s and s["saved"]["epoch"] == epoch]
