@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 import time
 
 import pytest
@@ -87,3 +88,36 @@ def test_a_finished_epoch_saves_the_next_one() -> None:
     done = share(0, True, [], [], 6)
     merged = iterable_state._merged([done, done], 2)
     assert (merged["epoch"], merged["in_progress"], merged["batches_yielded"]) == (1, False, 0)
+
+
+def test_an_iterable_dataset_read_by_two_ranks_resumes_in_one_process(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.torch.test_fidelity_workers import RangeShards
+    from tests.torch.test_resume import as_rank
+
+    dataset = RangeShards(0, 64)
+    loaders = []
+    for rank in range(2):  # torchrun's environment, no process group: ranks share one job
+        as_rank(monkeypatch, rank, 2)
+        monkeypatch.setenv("MASTER_PORT", "iterable-resume-test")
+        loaders.append(tds.DataLoader(dataset, batch_size=4, num_workers=2,
+                                      service=cluster.target, job_name="iterable-resume"))
+    got: list[list[int]] = [[], []]
+
+    def read(rank: int) -> None:
+        got[rank] = samples(itertools.islice(iter(loaders[rank]), 3))
+
+    threads = [threading.Thread(target=read, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    # What the collective gathers (all_gather_object), merged as every rank would.
+    state = iterable_state._merged([iterable_state._local(loader) for loader in loaders], 2)
+    assert state["batches_yielded"] == 6 and state["consumed"]
+    monkeypatch.delenv("RANK")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    single = tds.DataLoader(dataset, batch_size=4, num_workers=2, service=cluster.target)
+    single.load_state_dict(json.loads(json.dumps(state)))
+    before = got[0] + got[1]
+    assert sorted(before + samples(single)) == list(range(64))
