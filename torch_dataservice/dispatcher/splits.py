@@ -36,6 +36,9 @@ several clients another one may receive it too. Waiting longer (up to job_gc_tim
 silent client is released) would hold the whole epoch's end for a trainer that may be gone.
 GetSplit is idempotent per (task, replica, request id), so a reply lost to a dispatcher crash
 does not lose a split.
+A job created with `JobConfig.resume` (a trainer's checkpoint, dispatcher/resume.py) starts
+with what was consumed before: the cursor steps over the splits read whole, and a partly read
+split starts with its consumed offsets as delivered, handed and skipped as a requeued one.
 """
 
 from __future__ import annotations

@@ -35,10 +35,12 @@ torch's in-order resume (a count) unless it loads a split state.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import torch.distributed as dist
 
 from torch_dataservice.client.api import ReadOptions, connect_timeout_s, split_sizes
@@ -49,6 +51,8 @@ from torch_dataservice.policies import ShardingPolicy
 from torch_dataservice.torch import state
 from torch_dataservice.torch.loader_iter import Reading, read_arrivals, reading_from
 from torch_dataservice.torch.registration import IterableJob
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -141,7 +145,15 @@ class TaggedSource:
         reader = self._reader
         if reader is None or not keys:
             return {}
-        return split_sizes(self._options.address, reader.iteration_id, keys)
+        try:
+            return split_sizes(self._options.address, reader.iteration_id, keys)
+        except grpc.RpcError as error:
+            # The iteration is gone (collected, or a dispatcher restarted without a journal):
+            # the state keeps those splits' consumed offsets, which resumes them as exactly
+            # (a split read whole is handed again and its worker skips every element).
+            logger.warning("split sizes unknown (%s): the state lists %d split(s) by offsets",
+                           error.code(), len(keys))
+            return {}
 
 
 def reading(loader: Any, pipeline: Pipeline, epoch: int, shards: bool) -> Reading:
