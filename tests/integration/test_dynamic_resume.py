@@ -31,7 +31,8 @@ def open_reader(target: str, dataset_id: str, job: str, resume: ConsumedSplits |
     config = options.job_config(dataset_id, job)
     if resume is not None:
         config.resume.CopyFrom(resume.to_proto())
-    return IterationReader(options.address, config, 0, max_outstanding, connect_timeout_s())
+    return IterationReader(options.address, config, 0, max_outstanding, connect_timeout_s(),
+                           track_yielded=True)
 
 
 def take(reader: IterationReader, count: int) -> list[int]:
@@ -40,6 +41,7 @@ def take(reader: IterationReader, count: int) -> list[int]:
 
 def saved_state(target: str, reader: IterationReader) -> ConsumedSplits:
     """What `reader` yielded, with the splits read whole known as such."""
+    assert reader.yielded is not None
     consumed = reader.yielded.copy()
     consumed.complete_with(split_sizes(target, reader.iteration_id, consumed.partial_keys()))
     return consumed

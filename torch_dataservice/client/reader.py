@@ -72,6 +72,7 @@ class IterationReader:
         consumer_index: int | None = None,
         at_least_latest: bool = False,
         stats: ClientStats | None = None,
+        track_yielded: bool = False,
     ) -> None:
         target_workers = job_config.target_workers or "AUTO"
         if target_workers == "AUTO" and job_config.sharding_policy in STATIC_POLICIES:
@@ -104,10 +105,11 @@ class IterationReader:
         self._transports: dict[int, Transport] = {}  # chosen once per task
         self._fallback = transports.DataPortFallback()
         self._rounds: CoordinatedRounds | None = None
-        # DYNAMIC: the split tag of the element `__next__` returned last, and every element
-        # yielded so far (client/consumed.py): what a resume must not read again.
+        # DYNAMIC: the split tag of the element `__next__` returned last, and, with
+        # `track_yielded`, every element yielded so far (client/consumed.py; one small entry
+        # per split, so not kept by default for long jobs): what a resume must not read again.
         self.last_tag: tuple[int, int, int] | None = None
-        self.yielded = ConsumedSplits()
+        self.yielded = ConsumedSplits() if track_yielded else None
         self._threads = self._make_threads(consumer_index, connect_timeout_s)
         self._m.heartbeat()
         _readers.add(self)
@@ -315,7 +317,7 @@ class IterationReader:
         if batch.tags:
             self._delivery.acknowledge(batch)  # type: ignore[union-attr]
         tag = self.last_tag = batch.split_tags.popleft() if batch.split_tags else None
-        if tag is not None:
+        if tag is not None and self.yielded is not None:
             self.yielded.add(*tag)
         if not batch.payloads and batch.error is None:
             self._current = None
