@@ -1,6 +1,7 @@
 """A DYNAMIC Pipeline under real torchrun (gloo, CPU): 2 ranks train k steps, save
 `{"model", "loader": loader.state_dict()}`, train on (data the checkpoint does not count) and
-are SIGKILLed as a whole process group; 3 ranks resume from the checkpoint. Together they read
+are SIGKILLed as a whole process group; the dispatcher restarts from its journal; 3 ranks
+resume from the checkpoint. Together they read
 the epoch exactly once, minus what `even_batches` drops at the end (coordinated reads: the last
 incomplete round of each task), with equal batch counts per rank."""
 
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, Cluster, subprocess_env, wait_until
+import torch_dataservice as tds
+from tests.conftest import HOST, REPO, Cluster, subprocess_env, wait_until
 
 SAMPLES, SPLIT, BATCH, SAVE_AT = 192, 8, 4, 4
 SCRIPT = Path(__file__).with_name("ddp_pipeline_resume.py")
@@ -39,7 +41,9 @@ def records(directory: Path, ranks: int) -> list[list[dict]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_a_killed_two_rank_run_resumes_on_three_ranks(cluster: Cluster, tmp_path: Path) -> None:
+def test_a_killed_two_rank_run_resumes_on_three_ranks(cluster_factory, tmp_path: Path) -> None:
+    work_dir = str(tmp_path / "work")
+    cluster = cluster_factory(1, fault_tolerant_mode=True, work_dir=work_dir)
     first = torchrun(cluster, tmp_path, 2, "--save-at", str(SAVE_AT))
     try:
         wait_until(lambda: all((tmp_path / f"ready{r}").exists() for r in range(2))
@@ -51,6 +55,11 @@ def test_a_killed_two_rank_run_resumes_on_three_ranks(cluster: Cluster, tmp_path
     before = records(tmp_path, 2)
     for rank in range(2):
         (tmp_path / f"rank{rank}.jsonl").rename(tmp_path / f"killed{rank}.jsonl")
+    # The dispatcher restarts (from its journal) between the save and the resume too.
+    port = cluster.dispatcher.port
+    cluster.dispatcher.stop()
+    cluster.dispatcher = tds.DispatchServer(tds.DispatcherConfig(
+        host=HOST, port=port, fault_tolerant_mode=True, work_dir=work_dir))
     second = torchrun(cluster, tmp_path, 3, "--resume")
     try:
         output = second.communicate(timeout=90)[0]
