@@ -111,6 +111,7 @@ def test_the_resume_and_sizes_survive_a_snapshot() -> None:
     (consumed([(0, 3), (2, 4)], []), "not ascending"),
     (consumed([(0, 3)], [(1, 1, [])]), "malformed"),
     (consumed([], [(0, 2, [1])]), "malformed"),
+    (consumed([], [(0, 1 << 40, [])]), "malformed"),
 ])
 def test_a_malformed_resume_is_refused(description, why) -> None:
     config = common_pb2.JobConfig(dataset_id="1000", sharding_policy=int(ShardingPolicy.DYNAMIC),

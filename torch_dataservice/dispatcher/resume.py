@@ -56,6 +56,11 @@ def consumed_offsets(config: common_pb2.JobConfig, repetition: int, index: int) 
     return set()
 
 
+# The offsets of a partly read split become a set when it is handed (as a requeued split's
+# delivered offsets): a description naming more is refused rather than exhausting memory.
+MAX_PARTIAL_OFFSETS = 1 << 24
+
+
 def check(config: common_pb2.JobConfig, dataset: common_pb2.DatasetDef) -> None:
     """A resume description is for DYNAMIC jobs over a splittable dataset, well formed:
     ascending disjoint ranges within the splits, partial splits outside
@@ -81,7 +86,8 @@ def check(config: common_pb2.JobConfig, dataset: common_pb2.DatasetDef) -> None:
         for partial in consumed.partial:
             if (not 0 <= partial.index < num_splits or partial.below < 0
                     or first_unconsumed(config, consumed.repetition, partial.index)
-                    != partial.index or any(o <= partial.below for o in partial.extra)):
+                    != partial.index or any(o <= partial.below for o in partial.extra)
+                    or partial.below + len(partial.extra) > MAX_PARTIAL_OFFSETS):
                 raise ValueError(f"resume: partly read split {partial.index} of repetition "
                                  f"{consumed.repetition} is malformed")
 
