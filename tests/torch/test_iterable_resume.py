@@ -121,3 +121,16 @@ def test_an_iterable_dataset_read_by_two_ranks_resumes_in_one_process(
     single.load_state_dict(json.loads(json.dumps(state)))
     before = got[0] + got[1]
     assert sorted(before + samples(single)) == list(range(64))
+
+
+def test_a_count_state_of_the_older_kind_still_resumes_by_count(cluster: Cluster) -> None:
+    loader = tds.DataLoader(tds.Pipeline.range(N).with_split_size(8), batch_size=BATCH,
+                            service=cluster.target)
+    loader.load_state_dict({"epoch": 0, "batches_yielded": 5, "in_progress": True, "rng": None,
+                            "base_seed": None, "seeded": False, "rank": 0, "world_size": 1})
+    assert loader.state_dict()["batches_yielded"] == 5  # pending, as loaded
+    it = iter(loader)
+    next(it)
+    assert "consumed" not in loader.state_dict()  # that epoch goes on by count
+    assert len(samples(it)) == N - 6 * BATCH
+    assert loader.state_dict()["epoch"] == 1

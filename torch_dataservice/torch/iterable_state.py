@@ -74,15 +74,24 @@ def applies(loader: Any) -> bool:
 
 
 def reads(loader: Any, epoch: int) -> bool:
-    """Epoch `epoch` is read tagged: the loader saves by splits, or resumes a split state."""
+    """Epoch `epoch` is read tagged: it resumes a split state, or the loader saves by splits
+    (unless the epoch resumes a state of the older kind, a count of batches to skip)."""
     resume = _resume(loader)
-    return applies(loader) or (resume is not None and resume.epoch == epoch)
+    if resume is not None and resume.epoch == epoch:
+        return True
+    progress = loader._tds_progress
+    return applies(loader) and not (progress is not None and progress.yielded > 0)
 
 
 def saves(loader: Any) -> bool:
+    """`state_dict()` is made here: a split state is pending or being read, or the loader
+    saves by splits (a count state pending or being read keeps its own kind)."""
+    if loader._tds_epochs.pending is not None:
+        return _resume(loader) is not None
     progress = loader._tds_progress
-    return (applies(loader) or _resume(loader) is not None
-            or (progress is not None and progress.consumed is not None))
+    if progress is not None and not progress.finished:
+        return progress.consumed is not None
+    return applies(loader)
 
 
 def _resume(loader: Any) -> Resume | None:
