@@ -175,6 +175,21 @@ def register_definition(service: Any, definition: common_pb2.DatasetDef,
     return response.dataset_id
 
 
+def split_sizes(service: Any, iteration_id: int,
+                keys: list[tuple[int, int]]) -> dict[tuple[int, int], int]:
+    """The element counts the dispatcher knows among the splits `keys` ((repetition, index))
+    of `iteration_id`: those a worker finished producing (GetSplitSizes)."""
+    _, address = parse_service(service)
+    request = dispatcher_pb2.GetSplitSizesRequest(
+        iteration_id=iteration_id,
+        splits=[common_pb2.SplitKey(repetition=r, index=i) for r, i in keys])
+    stub = _dispatcher(address)
+    response = retry(lambda: stub.GetSplitSizes(request, timeout=30),
+                     description=f"asking the dispatcher at {address} for split sizes",
+                     deadline_s=connect_timeout_s())
+    return {(s.split.repetition, s.split.index): s.num_elements for s in response.sizes}
+
+
 def _dispatcher(address: str) -> dispatcher_pb2_grpc.DispatcherServiceStub:
     return dispatcher_pb2_grpc.DispatcherServiceStub(channel_to(address))
 

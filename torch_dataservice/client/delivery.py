@@ -37,6 +37,9 @@ class Batch:
     tags: deque = field(default_factory=deque)
     task_id: int = 0
     nbytes: int = 0  # payload bytes received (stats)
+    # The (repetition, index, offset) tag of each payload not yet taken, for what the consumer
+    # yielded (client/consumed.py); unlike `tags`, a fence does not empty it.
+    split_tags: deque = field(default_factory=deque)
 
 
 class SplitReceived:
@@ -113,6 +116,7 @@ class Delivery:
                         continue
                 batch.payloads.append(payload)
                 batch.tags.append(tag)
+                batch.split_tags.append(None if tag is None else (*tag[0], tag[1]))
             if batch.tags:
                 self._unacked.add(batch)
         return batch

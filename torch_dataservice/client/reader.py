@@ -31,6 +31,7 @@ from typing import Any
 import grpc
 
 from torch_dataservice.client import transports
+from torch_dataservice.client.consumed import ConsumedSplits
 from torch_dataservice.client.data_port import DataPortError, DataPortPool
 from torch_dataservice.client.delivery import Batch, Delivery
 from torch_dataservice.client.figures import ReaderFigures
@@ -71,6 +72,7 @@ class IterationReader:
         consumer_index: int | None = None,
         at_least_latest: bool = False,
         stats: ClientStats | None = None,
+        track_yielded: bool = False,
     ) -> None:
         target_workers = job_config.target_workers or "AUTO"
         if target_workers == "AUTO" and job_config.sharding_policy in STATIC_POLICIES:
@@ -103,6 +105,11 @@ class IterationReader:
         self._transports: dict[int, Transport] = {}  # chosen once per task
         self._fallback = transports.DataPortFallback()
         self._rounds: CoordinatedRounds | None = None
+        # DYNAMIC: the split tag of the element `__next__` returned last, and, with
+        # `track_yielded`, every element yielded so far (client/consumed.py; one small entry
+        # per split, so not kept by default for long jobs): what a resume must not read again.
+        self.last_tag: tuple[int, int, int] | None = None
+        self.yielded = ConsumedSplits() if track_yielded else None
         self._threads = self._make_threads(consumer_index, connect_timeout_s)
         self._m.heartbeat()
         _readers.add(self)
@@ -246,7 +253,8 @@ class IterationReader:
             batch = self._delivery.keep_new(state.info.task_id, header, payloads)
             batch.borrow = transport.borrow
         else:
-            batch = Batch(deque(payloads), borrow=transport.borrow, task_id=state.info.task_id)
+            batch = Batch(deque(payloads), borrow=transport.borrow, task_id=state.info.task_id,
+                          split_tags=deque(split_tags(header)))
         batch.nbytes = sum(inprocess.payload_nbytes(p) for p in batch.payloads)
         if header.has_error:
             batch.error = RemoteError(header.error.type, header.error.message,
@@ -309,6 +317,9 @@ class IterationReader:
         payload = batch.payloads.popleft()
         if batch.tags:
             self._delivery.acknowledge(batch)  # type: ignore[union-attr]
+        tag = self.last_tag = batch.split_tags.popleft() if batch.split_tags else None
+        if tag is not None and self.yielded is not None:
+            self.yielded.add(*tag)
         if not batch.payloads and batch.error is None:
             self._current = None
             self._slots.release()
@@ -337,6 +348,15 @@ class IterationReader:
             self.close()
         except Exception:
             pass
+
+
+def split_tags(header: worker_pb2.ElementBatchHeader) -> list[tuple[int, int, int] | None]:
+    """Each element's (split repetition, split index, offset), None where untagged (none at
+    all when no element is tagged: OFF and static sharding)."""
+    if not any(info.has_split for info in header.elements):
+        return []
+    return [(info.split.repetition, info.split.index, info.offset) if info.has_split else None
+            for info in header.elements]
 
 
 EXIT_JOIN_S = 5.0

@@ -1,8 +1,8 @@
 """The dispatcher's gRPC handlers: validate, decide, journal, apply, reply.
 
 Every handler takes the one lock, asks the pure decision modules for `Update`s
-(dispatcher/validation.py, splits.py, tasks.py, coordinated.py, liveness.py), journals and
-applies them to `DispatcherState`, and replies. What a restart forgets lives in one
+(dispatcher/validation.py, splits.py, resume.py, tasks.py, coordinated.py, liveness.py),
+journals and applies them to `DispatcherState`, and replies. What a restart forgets lives in one
 `SoftState` (dispatcher/soft.py). Pushing new tasks to workers is best-effort and outside the
 lock: a worker that misses a push gets the task in its next heartbeat reply. Every RPC syncs
 the journal (group commit, see dispatcher/file_journal.py) after releasing the lock and before
@@ -22,6 +22,7 @@ from torch_dataservice.dispatcher import (
     coordinated,
     liveness,
     recovery,
+    resume,
     splits,
     status,
     tasks,
@@ -325,6 +326,12 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             granted.append((produce.repetition, produce.split_index))
         self._observe.splits += len(granted)
         return splits.split_response(iteration, tuple(granted))  # what a retry gets too
+
+    @servicer_method
+    def GetSplitSizes(self, request, context):
+        with self._lock:
+            iteration = self._state.iteration(request.iteration_id)
+            return resume.split_sizes(iteration.sizes, request.splits)
 
     # ------------------------------------------------------------------ status
     @servicer_method

@@ -44,7 +44,7 @@ COVERED: dict[type, tuple[str, ...]] = {
     RequeuedSplit: ("repetition", "index", "delivered_offsets"),
     Iteration: ("iteration_id", "job_id", "repetition", "task_ids", "client_ids",
                 "garbage_collected", "cursor_repetition", "cursor_index", "requeued",
-                "delivered", "produced", "removals"),
+                "delivered", "produced", "removals", "sizes"),
     DispatcherState: ("datasets", "dataset_by_fingerprint", "workers", "jobs", "job_by_name",
                       "iterations", "iteration_by_key", "tasks", "clients", "next_ids"),
 }
@@ -83,6 +83,8 @@ def _iteration(it: Iteration) -> snapshot_pb2.DispatcherSnapshot.Iteration:
                    for key, offsets in it.delivered.items()],
         produced=[_S.ProducedSplit(split=_key(key), num_elements=n)
                   for key, n in it.produced.items()],
+        sizes=[_S.ProducedSplit(split=_key(key), num_elements=n)
+               for key, n in it.sizes.items()],
         removals=[common_pb2.RemovedTasks(round=r, task_ids=tasks) for r, tasks in it.removals],
     )
 
@@ -157,6 +159,7 @@ def from_proto(msg: DispatcherSnapshot) -> DispatcherState:
                                     frozenset(r.delivered_offsets)) for r in it.requeued],
             delivered={_split(d.split): set(d.offsets) for d in it.delivered},
             produced={_split(p.split): p.num_elements for p in it.produced},
+            sizes={_split(p.split): p.num_elements for p in it.sizes},
             removals=[(r.round, tuple(r.task_ids)) for r in it.removals],
         )
     for k in msg.iteration_by_key:

@@ -36,12 +36,16 @@ several clients another one may receive it too. Waiting longer (up to job_gc_tim
 silent client is released) would hold the whole epoch's end for a trainer that may be gone.
 GetSplit is idempotent per (task, replica, request id), so a reply lost to a dispatcher crash
 does not lose a split.
+A job created with `JobConfig.resume` (a trainer's checkpoint, dispatcher/resume.py) starts
+with what was consumed before: the cursor steps over the splits read whole, and a partly read
+split starts with its consumed offsets as delivered, handed and skipped as a requeued one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from torch_dataservice.dispatcher import resume
 from torch_dataservice.dispatcher.soft import SoftState
 from torch_dataservice.dispatcher.state import DispatcherState, Iteration, Task
 from torch_dataservice.errors import NotReadyError
@@ -129,6 +133,8 @@ def next_split(state: DispatcherState, soft: SoftState, iteration: Iteration, re
             raise not_ready
         return None
     index = iteration.cursor_index if repetition == iteration.cursor_repetition else 0
+    # A resumed job skips the splits its trainer read whole before (dispatcher/resume.py).
+    index = resume.first_unconsumed(state.job(iteration.job_id).config, repetition, index)
     if index >= num_splits(state, iteration):
         if waiting:
             raise not_ready

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from torch_dataservice.dispatcher import resume
 from torch_dataservice.policies import STATIC_POLICIES, ShardingPolicy
 from torch_dataservice.proto import common_pb2, dispatcher_pb2
 
@@ -92,6 +93,9 @@ class Iteration:
     produced: dict[tuple[int, int], int] = field(default_factory=dict)
     # Coordinated reads: (round, task ids) per removal of lost tasks, in decision order.
     removals: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    # DYNAMIC: every split's element count once a worker finished producing it, kept after it
+    # settles (GetSplitSizes: a loader's state names the splits its trainer read whole).
+    sizes: dict[tuple[int, int], int] = field(default_factory=dict)
 
 
 @dataclass
@@ -222,12 +226,17 @@ class DispatcherState:
             if u.split_index < 0:  # end of splits: the next repetition starts
                 iteration.cursor_repetition, iteration.cursor_index = u.repetition + 1, 0
                 return
-            if u.split_index != iteration.cursor_index:
+            config = self.jobs[iteration.job_id].config
+            # A resumed job's cursor steps over the splits read whole before (resume.py).
+            expected = resume.first_unconsumed(config, u.repetition, iteration.cursor_index)
+            if u.split_index != expected:
                 raise InvalidTransition(
-                    f"split {u.split_index} out of order (cursor at {iteration.cursor_index})"
+                    f"split {u.split_index} out of order (cursor at {iteration.cursor_index}, "
+                    f"next unconsumed {expected})"
                 )
-            iteration.cursor_index += 1
-            iteration.delivered.setdefault(key, set())
+            iteration.cursor_index = u.split_index + 1
+            iteration.delivered.setdefault(key, set()).update(
+                resume.consumed_offsets(config, u.repetition, u.split_index))
         if task is not None and u.split_index >= 0:
             task.splits.add(key)
 
@@ -264,6 +273,7 @@ class DispatcherState:
         if iteration is None or key not in iteration.delivered:
             return
         iteration.produced[key] = u.num_elements
+        iteration.sizes[key] = u.num_elements
         self._settle_if_delivered(iteration, key)
 
     def _settle_if_delivered(self, iteration: Iteration, key: tuple[int, int]) -> None:
@@ -329,6 +339,7 @@ class DispatcherState:
             self.tasks[task_id].splits.clear()  # memory: the split bookkeeping goes too
         iteration.delivered.clear()
         iteration.produced.clear()
+        iteration.sizes.clear()
         for client_id in list(iteration.client_ids):
             self.clients.pop(client_id, None)
         iteration.client_ids.clear()

@@ -10,6 +10,7 @@ import re
 from collections.abc import Sequence
 
 from torch_dataservice import version
+from torch_dataservice.dispatcher import resume
 from torch_dataservice.dispatcher.state import DispatcherState
 from torch_dataservice.errors import VersionMismatchError
 from torch_dataservice.policies import ShardingPolicy, policy_name
@@ -48,6 +49,7 @@ def validate_job(config: common_pb2.JobConfig, dataset: common_pb2.DatasetDef,
                          "target_workers='LOCAL' is not supported with them")
     if policy.is_static:
         _validate_static(policy, config, dataset, worker_addresses)
+    resume.check(config, dataset)
 
 
 def _validate_static(policy: ShardingPolicy, config: common_pb2.JobConfig,
@@ -85,7 +87,8 @@ def check_matching_job(existing: common_pb2.JobConfig, requested: common_pb2.Job
             return config.num_consumers if config.HasField("num_consumers") else None
         return getattr(config, name)
 
-    for name in ("sharding_policy", "num_consumers", "cross_trainer_cache", "target_workers"):
+    for name in ("sharding_policy", "num_consumers", "cross_trainer_cache", "target_workers",
+                 "resume"):
         old, new = describe(existing, name), describe(requested, name)
         if old != new:
             raise ValueError(

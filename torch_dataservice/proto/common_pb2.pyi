@@ -1,8 +1,8 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -45,20 +45,56 @@ class BuildInfo(_message.Message):
     def __init__(self, package_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., python_version: _Optional[str] = ...) -> None: ...
 
 class JobConfig(_message.Message):
-    __slots__ = ("dataset_id", "job_name", "sharding_policy", "num_consumers", "target_workers", "cross_trainer_cache")
+    __slots__ = ("dataset_id", "job_name", "sharding_policy", "num_consumers", "target_workers", "cross_trainer_cache", "resume")
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     SHARDING_POLICY_FIELD_NUMBER: _ClassVar[int]
     NUM_CONSUMERS_FIELD_NUMBER: _ClassVar[int]
     TARGET_WORKERS_FIELD_NUMBER: _ClassVar[int]
     CROSS_TRAINER_CACHE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     dataset_id: str
     job_name: str
     sharding_policy: int
     num_consumers: int
     target_workers: str
     cross_trainer_cache: bool
-    def __init__(self, dataset_id: _Optional[str] = ..., job_name: _Optional[str] = ..., sharding_policy: _Optional[int] = ..., num_consumers: _Optional[int] = ..., target_workers: _Optional[str] = ..., cross_trainer_cache: _Optional[bool] = ...) -> None: ...
+    resume: ConsumedSplits
+    def __init__(self, dataset_id: _Optional[str] = ..., job_name: _Optional[str] = ..., sharding_policy: _Optional[int] = ..., num_consumers: _Optional[int] = ..., target_workers: _Optional[str] = ..., cross_trainer_cache: _Optional[bool] = ..., resume: _Optional[_Union[ConsumedSplits, _Mapping]] = ...) -> None: ...
+
+class ConsumedSplits(_message.Message):
+    __slots__ = ("repetitions",)
+    REPETITIONS_FIELD_NUMBER: _ClassVar[int]
+    repetitions: _containers.RepeatedCompositeFieldContainer[ConsumedRepetition]
+    def __init__(self, repetitions: _Optional[_Iterable[_Union[ConsumedRepetition, _Mapping]]] = ...) -> None: ...
+
+class ConsumedRepetition(_message.Message):
+    __slots__ = ("repetition", "complete", "partial")
+    REPETITION_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    repetition: int
+    complete: _containers.RepeatedCompositeFieldContainer[SplitRange]
+    partial: _containers.RepeatedCompositeFieldContainer[PartialSplit]
+    def __init__(self, repetition: _Optional[int] = ..., complete: _Optional[_Iterable[_Union[SplitRange, _Mapping]]] = ..., partial: _Optional[_Iterable[_Union[PartialSplit, _Mapping]]] = ...) -> None: ...
+
+class SplitRange(_message.Message):
+    __slots__ = ("start", "end")
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    end: int
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+
+class PartialSplit(_message.Message):
+    __slots__ = ("index", "below", "extra")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    BELOW_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    below: int
+    extra: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, index: _Optional[int] = ..., below: _Optional[int] = ..., extra: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TaskDef(_message.Message):
     __slots__ = ("task_id", "iteration_id", "job_id", "dataset_id", "sharding_policy", "num_workers", "worker_index", "num_consumers", "cross_trainer_cache", "compression", "num_splits")

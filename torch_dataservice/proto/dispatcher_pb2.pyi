@@ -130,6 +130,20 @@ class SettledSplit(_message.Message):
     num_elements: int
     def __init__(self, split: _Optional[_Union[_common_pb2.SplitKey, _Mapping]] = ..., num_elements: _Optional[int] = ...) -> None: ...
 
+class GetSplitSizesRequest(_message.Message):
+    __slots__ = ("iteration_id", "splits")
+    ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    SPLITS_FIELD_NUMBER: _ClassVar[int]
+    iteration_id: int
+    splits: _containers.RepeatedCompositeFieldContainer[_common_pb2.SplitKey]
+    def __init__(self, iteration_id: _Optional[int] = ..., splits: _Optional[_Iterable[_Union[_common_pb2.SplitKey, _Mapping]]] = ...) -> None: ...
+
+class GetSplitSizesResponse(_message.Message):
+    __slots__ = ("sizes",)
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    sizes: _containers.RepeatedCompositeFieldContainer[SettledSplit]
+    def __init__(self, sizes: _Optional[_Iterable[_Union[SettledSplit, _Mapping]]] = ...) -> None: ...
+
 class ReleaseIterationClientRequest(_message.Message):
     __slots__ = ("client_id", "received", "load")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]

@@ -85,6 +85,11 @@ class DispatcherServiceStub:
                 request_serializer=torch__dataservice_dot_v1_dot_status__pb2.GetClusterStatusRequest.SerializeToString,
                 response_deserializer=torch__dataservice_dot_v1_dot_status__pb2.GetClusterStatusResponse.FromString,
                 _registered_method=True)
+        self.GetSplitSizes = channel.unary_unary(
+                '/torch_dataservice.v1.DispatcherService/GetSplitSizes',
+                request_serializer=torch__dataservice_dot_v1_dot_dispatcher__pb2.GetSplitSizesRequest.SerializeToString,
+                response_deserializer=torch__dataservice_dot_v1_dot_dispatcher__pb2.GetSplitSizesResponse.FromString,
+                _registered_method=True)
 
 
 class DispatcherServiceServicer:
@@ -151,6 +156,14 @@ class DispatcherServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetSplitSizes(self, request, context):
+        """DYNAMIC resume: the element count of splits of an iteration whose worker finished
+        producing them, so a loader's state can name the splits its trainer read whole.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DispatcherServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -203,6 +216,11 @@ def add_DispatcherServiceServicer_to_server(servicer, server):
                     servicer.GetClusterStatus,
                     request_deserializer=torch__dataservice_dot_v1_dot_status__pb2.GetClusterStatusRequest.FromString,
                     response_serializer=torch__dataservice_dot_v1_dot_status__pb2.GetClusterStatusResponse.SerializeToString,
+            ),
+            'GetSplitSizes': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSplitSizes,
+                    request_deserializer=torch__dataservice_dot_v1_dot_dispatcher__pb2.GetSplitSizesRequest.FromString,
+                    response_serializer=torch__dataservice_dot_v1_dot_dispatcher__pb2.GetSplitSizesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -475,6 +493,33 @@ class DispatcherService:
             '/torch_dataservice.v1.DispatcherService/GetClusterStatus',
             torch__dataservice_dot_v1_dot_status__pb2.GetClusterStatusRequest.SerializeToString,
             torch__dataservice_dot_v1_dot_status__pb2.GetClusterStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSplitSizes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torch_dataservice.v1.DispatcherService/GetSplitSizes',
+            torch__dataservice_dot_v1_dot_dispatcher__pb2.GetSplitSizesRequest.SerializeToString,
+            torch__dataservice_dot_v1_dot_dispatcher__pb2.GetSplitSizesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -44,7 +44,7 @@ from torch.utils.data import IterableDataset
 from torch_dataservice.client.api import ReadOptions, ShardingPolicy
 from torch_dataservice.observability.client import ClientStats
 from torch_dataservice.pipeline import Pipeline
-from torch_dataservice.torch import embedded, sampling, state
+from torch_dataservice.torch import embedded, iterable_state, sampling, state
 from torch_dataservice.torch.distributed import RankInfo, rank_info, run_seed
 from torch_dataservice.torch.epochs import Epoch, EpochPlanner, seeded_worker_seed
 from torch_dataservice.torch.fetch import EpochSeeds, FetchBatch
@@ -282,9 +282,13 @@ class DataLoader(torch.utils.data.DataLoader):
         skip = epoch.yielded
         if isinstance(dataset, Pipeline):
             if self._auto_collation:
+                if iterable_state.applies(self):  # batches within splits: an exact state
+                    dataset = iterable_state.aligned(dataset, self.batch_size)
                 pipeline = dataset.batch(self.batch_size, self.drop_last, self.collate_fn)
             else:
                 pipeline = dataset.map(self.collate_fn)
+            if iterable_state.reads(self, epoch.number):  # DYNAMIC: by splits
+                return iterable_state.reading(self, pipeline, epoch.number, shards=False)
             reader = registrar.read_iterable(pipeline, epoch.number)
             return reading_from(lambda: iter(reader), lambda source, emit: read_arrivals(
                 source, emit, skip, False, False))
@@ -295,6 +299,8 @@ class DataLoader(torch.utils.data.DataLoader):
         run = RunShard(dataset, self._tds_seeds(epoch), self._auto_collation, self.collate_fn,
                        self.drop_last, self.batch_size, end_markers=merged)
         pipeline = Pipeline.from_items(list(range(num_shards))).with_split_size(1).flat_map(run)
+        if iterable_state.reads(self, epoch.number):  # DYNAMIC: by splits
+            return iterable_state.reading(self, pipeline, epoch.number, shards=True)
         reader = registrar.read_iterable(pipeline, epoch.number)
         if merged:
             return reading_from(lambda: iter(reader), lambda source, emit: read_shards(
@@ -326,7 +332,10 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is: the epoch, batches yielded in it, and what it was drawn from
-        (torchdata StatefulDataLoader convention; plain data: `json.dumps`-able)."""
+        (torchdata StatefulDataLoader convention; plain data: `json.dumps`-able). A DYNAMIC
+        Pipeline or IterableDataset saves the splits consumed instead (iterable_state.py)."""
+        if iterable_state.saves(self):
+            return iterable_state.state_dict(self)
         planner = self._tds_epochs
         if planner.pending is not None:
             saved = dict(planner.pending)
@@ -354,6 +363,7 @@ class DataLoader(torch.utils.data.DataLoader):
         An empty dict changes nothing, as with torchdata's StatefulDataLoader."""
         if isinstance(state_dict, dict) and not state_dict:
             return
+        state_dict = iterable_state.loading(self, state_dict)  # a split state: its epoch
         loaded = state.validated(state_dict)
         ranks = self._tds_ranks
         saved = (loaded["rank"], loaded["world_size"])

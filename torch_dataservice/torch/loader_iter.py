@@ -55,6 +55,11 @@ class Progress:
     #: Positions yielded (map-style): what an out-of-order resume leaves out.
     positions: set[int] = field(default_factory=set)
     finished: bool = False
+    #: DYNAMIC iterables (torch/iterable_state.py): the splits' elements yielded (a
+    #: ConsumedSplits; batches arrive positioned by their (repetition, split, offset) tag),
+    #: and the reading they come from, which asks the dispatcher for split sizes.
+    consumed: Any = None
+    source: Any = None
 
 
 class _End:
@@ -171,6 +176,8 @@ class LoaderIterator:
             stats.batches += 1
         if isinstance(position, int):
             progress.positions.add(position)
+        elif isinstance(position, tuple) and progress.consumed is not None:
+            progress.consumed.add(*position)
         self._warn_if_past_len()
         if isinstance(batch, BatchError):
             raise batch.error()
@@ -333,13 +340,14 @@ def read_shards(source: Iterator[tuple[int, int, Any]], emit: Emit, num_shards: 
 def read_arrivals(source: Iterator[Any], emit: Emit, skip: int, positioned: bool,
                   tagged: bool) -> None:
     """Elements as they arrive. `positioned`: `(position, batch)` pairs (the position is kept
-    for the state); `tagged`: `(shard, j, batch)` triples (shard ends dropped)."""
+    for the state); `tagged`: `(shard, j, batch)` triples (shard ends dropped), or with
+    `positioned` `(position, (shard, j, batch))`."""
     skipped = 0
     for element in source:
         position = None
         if positioned:
             position, element = element
-        elif tagged:
+        if tagged:
             element = element[2]
             if isinstance(element, ShardEnd):
                 continue

@@ -112,6 +112,14 @@ class Registrar:
     def read_iterable(self, pipeline: Pipeline, epoch: int) -> Any:
         """Register an iterable epoch's pipeline and return its reader (under torchrun: one
         job shared by every rank, coordinated when `even`)."""
+        job = self.iterable_job(pipeline, epoch)
+        return from_dataset_id(job.policy, job.service, job.dataset_id, job_name=job.job_name,
+                               consumer_index=job.consumer_index,
+                               num_consumers=job.num_consumers,
+                               max_outstanding_requests=self.max_outstanding)
+
+    def iterable_job(self, pipeline: Pipeline, epoch: int) -> IterableJob:
+        """Register an iterable epoch's pipeline and name the job that reads it."""
         policy = self.policy
         if policy == ShardingPolicy.DYNAMIC and not pipeline.is_splittable:
             # Not splittable: each worker produces the whole dataset.
@@ -137,6 +145,16 @@ class Registrar:
                 consumer_index, num_consumers = ranks.rank, ranks.world_size
         dataset_id = register_dataset(service, pipeline, compression=self.compression,
                                       dataset_id=dataset_id)
-        return from_dataset_id(policy, service, dataset_id, job_name=job_name,
-                               consumer_index=consumer_index, num_consumers=num_consumers,
-                               max_outstanding_requests=self.max_outstanding)
+        return IterableJob(policy, service, dataset_id, job_name, consumer_index, num_consumers)
+
+
+@dataclass(frozen=True)
+class IterableJob:
+    """Where an iterable epoch is read: its registered dataset and its job."""
+
+    policy: ShardingPolicy
+    service: Any
+    dataset_id: str
+    job_name: str | None
+    consumer_index: int | None
+    num_consumers: int | None
