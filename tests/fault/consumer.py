@@ -4,6 +4,9 @@ Usage: python -m tests.fault.consumer DISPATCHER_ADDRESS N OUT_FILE [JOB_NAME [M
 [FLUSH_EVERY]]]
 MAX_RATE (elements/s, 0 = unlimited) stretches the epoch so that faults land inside it;
 FLUSH_EVERY (default 256) elements are written at a time (1: each as it is taken).
+With TDS_TEST_CONSUMER_GO=FILE in the environment it creates OUT_FILE.ready once imported,
+then waits for FILE before it reads, so that consumers slow to start (torch's import on a busy
+machine) begin together.
 Appends every element it receives to OUT_FILE (one per line, flushed in batches) and writes
 a final "done" line when the epoch ended, so the test can count delivered, missing and
 duplicated elements even if this process is killed.
@@ -11,8 +14,10 @@ duplicated elements even if this process is killed.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from pathlib import Path
 
 import torch_dataservice as tds
 
@@ -22,10 +27,18 @@ def main() -> int:
     job_name = sys.argv[4] if len(sys.argv) > 4 else "fault-epoch"
     max_rate = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
     flush_every = int(sys.argv[6]) if len(sys.argv) > 6 else 256
-    start = time.monotonic()
-    count = 0
     pipeline = tds.Pipeline.range(n).map(lambda x: x).apply(
         tds.distribute(tds.ShardingPolicy.DYNAMIC, f"grpc://{address}", job_name=job_name))
+    go = os.environ.get("TDS_TEST_CONSUMER_GO")
+    if go:
+        Path(out + ".ready").touch()
+        deadline = time.monotonic() + 120
+        while not os.path.exists(go):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no go file {go} after 120 s")
+            time.sleep(0.02)
+    start = time.monotonic()
+    count = 0
     with open(out, "w") as f:
         batch = []
         for element in pipeline:

@@ -53,17 +53,34 @@ class Consumer:
     """`python -m tests.fault.consumer` reading a DYNAMIC epoch of range(n)."""
 
     def __init__(self, cluster: ProcessCluster, n: int, out: Path, job_name: str,
-                 max_rate: float = 0.0, flush_every: int = 256) -> None:
+                 max_rate: float = 0.0, flush_every: int = 256, go: Path | None = None) -> None:
+        """With `go`, the consumer reads only once that file exists (see `start_together`)."""
         assert cluster.dispatcher is not None
         self.out = out
         self.n = n
         self.log = out.with_suffix(".log")
         self._log_file = open(self.log, "w")  # noqa: SIM115 - closed in wait()
+        env = dict(cluster.env)
+        if go is not None:
+            env["TDS_TEST_CONSUMER_GO"] = str(go)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.fault.consumer", cluster.dispatcher.address, str(n),
              str(out), job_name, str(max_rate), str(flush_every)],
-            cwd=str(REPO), env=cluster.env, stdout=self._log_file, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL)
+            cwd=str(REPO), env=env,
+            stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.ready = Path(f"{out}.ready")
+
+    @staticmethod
+    def start_together(consumers: list[Consumer], go: Path, timeout_s: float) -> None:
+        """Let consumers created with `go` read, once all of them are ready: one slow to import
+        torch on a busy machine would otherwise find the epoch read by the others."""
+        deadline = time.monotonic() + timeout_s
+        while not all(c.ready.exists() for c in consumers):
+            for c in consumers:
+                assert c.proc.poll() is None, f"consumer exited before it was ready:\n{c.output()}"
+            assert time.monotonic() < deadline, f"consumers not ready after {timeout_s} s"
+            time.sleep(0.05)
+        go.touch()
 
     def wait_received(self, count: int, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s

@@ -45,8 +45,10 @@ def test_a_consumer_killed_while_sharing_leaves_its_unacknowledged_elements_to_t
     for _ in range(2):
         process_cluster.start_worker()
     survivor_out, victim_out = tmp_path / "survivor.txt", tmp_path / "victim.txt"
-    survivor = Consumer(process_cluster, N, survivor_out, "shared", RATE)
-    victim = Consumer(process_cluster, N, victim_out, "shared", RATE, flush_every=1)
+    go = tmp_path / "go"
+    survivor = Consumer(process_cluster, N, survivor_out, "shared", RATE, go=go)
+    victim = Consumer(process_cluster, N, victim_out, "shared", RATE, flush_every=1, go=go)
+    Consumer.start_together([survivor, victim], go, 90)
     assert victim.wait_received(N // 8, 60), victim.output()
     victim.proc.kill()
     victim.wait(10)
