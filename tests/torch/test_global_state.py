@@ -330,3 +330,14 @@ def test_restart_count_is_part_of_job_names(monkeypatch: pytest.MonkeyPatch) -> 
     registrar = registration.Registrar("x", False, None, "shared", None, None, RankInfo(),
                                        True)
     assert registrar.user_job(3) == "shared-restart2/epoch3/pass0"
+
+
+def test_pad_gives_every_rank_what_distributed_sampler_gives_it(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    for rank in range(3):
+        as_plain_rank(monkeypatch, rank, 3)
+        loader = tds.DataLoader(Indices(10), batch_size=None, shuffle=True, even_batches="pad",
+                                service=cluster.target, generator=torch.Generator().manual_seed(9))
+        sampler = DistributedSampler(Indices(10), num_replicas=3, rank=rank, seed=9)
+        assert epoch(loader) == list(sampler) and len(loader) == 4
+        assert loader.stats()["samples_padded"] == 2

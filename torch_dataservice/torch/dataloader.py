@@ -8,11 +8,12 @@ worker `position % num_workers` would (`fetch.py`). A small reorder buffer keyed
 restores torch's order (`in_order=True`); it stays small because splits are handed out in
 order, so only batches overtaken by a slower one wait (`loader_iter.py`).
 
-Under torchrun every rank draws the same global batch list from the same seed (no
-communication) and registers its own part: batch b goes to rank b % world_size, and with
-`even_batches` the batch list is first cut to a multiple of world_size, so every rank yields
-the same number of batches and DDP cannot hang at the end of an epoch. With the default
-samplers this is exactly `DistributedSampler(drop_last=True)` + `BatchSampler`: at most
+Under torchrun every rank draws the same global order from the same seed (no communication)
+and registers its own part (`dealing.py`): item i goes to rank i % world_size, and with
+`even_batches` (True or "drop") the order is first cut to a multiple of world_size ("pad":
+its first items are given again), so every rank yields the same number of batches and DDP
+cannot hang at the end of an epoch. With the default samplers this is exactly
+`DistributedSampler(drop_last=True)` (or `drop_last=False`) + `BatchSampler`: at most
 world_size - 1 samples are dropped per epoch. With a user's sampler or batch_sampler the
 global batches are dealt out, so at most world_size - 1 batches are dropped. A
 `DistributedSampler` passed by the user already splits by rank and is used as it is.
@@ -88,7 +89,9 @@ class DataLoader(torch.utils.data.DataLoader):
       share one job anyway; a `job_name` given there names it (all ranks must pass the same).
     - `even_batches`: under torchrun, `True` (= "drop") cuts each epoch to a multiple of the
       world size, "pad" repeats its first samples as `DistributedSampler(drop_last=False)`,
-      so every rank yields the same number of batches; `False` deals it out unevenly.
+      so every rank yields the same number of batches; `False` deals it out unevenly. (An
+      iterable dataset's ranks read one coordinated job, which ends at a round boundary
+      with either True or "pad".)
     - `compression`, `max_outstanding_requests`: as in `tds.distribute`.
 
     The dataset and `collate_fn` travel to the workers with cloudpickle (by value when they are
