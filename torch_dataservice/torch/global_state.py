@@ -122,10 +122,13 @@ def validated(state: Mapping[str, Any], unit: str, length: int | None) -> dict[s
     missing = [key for key in KEYS if key not in state]
     if missing:
         raise ValueError(f"not a tds.DataLoader global state: missing {missing}")
-    for key in ("epoch", "batches_yielded", "world_size", "base_seed"):
+    for key in ("epoch", "batches_yielded", "world_size"):
         value = state[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"state {key!r} must be an int >= 0, got {value!r}")
+    seed = state["base_seed"]
+    if isinstance(seed, bool) or not isinstance(seed, int):  # a drawn int64 may be negative
+        raise ValueError(f"state 'base_seed' must be an int, got {seed!r}")
     if not isinstance(state["in_progress"], bool):
         raise ValueError(f"state 'in_progress' must be a bool, got {state['in_progress']!r}")
     if state["unit"] != unit:
