@@ -41,7 +41,9 @@ class Saved:
 
 
 def torchrun(cluster: ProcessCluster, ranks: int, checkpoint: Path, record: Path,
-             *extra: str) -> subprocess.Popen[str]:
+             *extra: str) -> subprocess.Popen[bytes]:
+    """Start the trainer under torchrun; its output goes to RECORD.log (a pipe nobody reads
+    could fill up and block it)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={ranks}", str(Path(resume_trainer.__file__)),
                "--service", cluster.target, "--samples", str(SAMPLES),
@@ -49,8 +51,14 @@ def torchrun(cluster: ProcessCluster, ranks: int, checkpoint: Path, record: Path
                "--record", str(record), *extra]
     env = subprocess_env(OMP_NUM_THREADS="1")
     env.pop("TORCH_DATASERVICE_ADDRESS", None)
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, cwd=REPO, start_new_session=True)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{record}.log", "wb") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                start_new_session=True)
+
+
+def output(record: Path) -> str:
+    return Path(f"{record}.log").read_text(errors="replace")[-4000:]
 
 
 def lines(record: Path, rank: int) -> list[dict]:
@@ -60,7 +68,7 @@ def lines(record: Path, rank: int) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def kill_job(job: subprocess.Popen[str], record: Path, ranks: int) -> None:
+def kill_job(job: subprocess.Popen[bytes], record: Path, ranks: int) -> None:
     """SIGKILL torchrun and every rank (torchrun starts each rank in a session of its own)."""
     pids = [line["pid"] for rank in range(ranks) for line in lines(record, rank)[:1]]
     for pid in [job.pid, *pids]:
@@ -90,7 +98,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Saved]:
                 for rank in range(2))):
             if job.poll() is not None or time.monotonic() > deadline:
                 kill_job(job, record, 2)
-                pytest.fail(f"the 2-rank run did not save:\n{job.stdout.read()[-4000:]}")
+                pytest.fail(f"the 2-rank run did not save:\n{output(record)}")
             time.sleep(0.05)
         alive = job.poll() is None
         kill_job(job, record, 2)
@@ -107,11 +115,11 @@ def resume(saved: Saved, ranks: int, tag: str) -> list[list[dict]]:
     record = saved.records / tag
     job = torchrun(saved.cluster, ranks, saved.checkpoint, record)
     try:
-        output, _ = job.communicate(timeout=RUN_S)
+        job.wait(timeout=RUN_S)
     except subprocess.TimeoutExpired:
         kill_job(job, record, ranks)
-        pytest.fail(f"the {ranks}-rank run hung:\n{job.stdout.read()[-4000:]}")
-    assert job.returncode == 0, output[-4000:]
+        pytest.fail(f"the {ranks}-rank run hung:\n{output(record)}")
+    assert job.returncode == 0, output(record)
     return [lines(record, rank) for rank in range(ranks)]
 
 
