@@ -416,11 +416,14 @@ class DataLoader(torch.utils.data.DataLoader):
         planner = self._tds_epochs
         if self._tds_iterable or not planner.seeded or sampling.splits_by_rank(self):
             return False
+        progress, epoch = self._tds_progress, self._tds_epoch
+        if (planner.pending is None and progress is not None and not progress.finished
+                and (epoch is None or epoch.deal is None)):
+            return False  # an epoch drawn as torch draws it (set_epoch came after its iter())
         if self._tds_ranks.process_group:
             return True
-        pending, epoch = planner.pending, self._tds_epoch
-        if pending is not None:
-            return global_state.is_global(pending)
+        if planner.pending is not None:
+            return global_state.is_global(planner.pending)
         return epoch is not None and epoch.consumed is not None
 
     def _tds_global_state(self) -> dict[str, Any] | None:
