@@ -347,3 +347,28 @@ def test_pad_gives_every_rank_what_distributed_sampler_gives_it(
         sampler = DistributedSampler(Indices(10), num_replicas=3, rank=rank, seed=9)
         assert epoch(loader) == list(sampler) and len(loader) == 4
         assert loader.stats()["samples_padded"] == 2
+
+
+class Augmented(Indices):
+    """A sample and a random number drawn where it is made (a random augmentation)."""
+
+    def __getitem__(self, index: int) -> list:
+        return [index, float(torch.rand(()))]
+
+
+def test_ranks_in_step_resume_their_augmentations_too_at_the_same_world_size(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    def make() -> tds.DataLoader:
+        return tds.DataLoader(Augmented(30), batch_size=3, shuffle=True, num_workers=2,
+                              collate_fn=list, service=cluster.target,
+                              generator=torch.Generator().manual_seed(8))
+
+    state, _ = save_after(monkeypatch, 2, make, steps=2)
+    for rank in range(2):
+        as_plain_rank(monkeypatch, rank, 2)
+        whole = make()
+        whole.set_epoch(0)
+        resumed = make()
+        resumed.load_state_dict(state)
+        resumed.set_epoch(0)
+        assert epoch(resumed) == epoch(whole)[2:]  # the same samples, the same random numbers

@@ -261,7 +261,7 @@ class DataLoader(torch.utils.data.DataLoader):
             # each: they are a function of the job's name and epoch.
             base_seed = seeded_worker_seed(zlib.crc32(job_name.encode()), epoch.number)
         return EpochSeeds(base_seed, epoch.round, self.num_workers, self.worker_init_fn,
-                          stride, offset)
+                          stride, offset, epoch.first_batch)
 
     def _tds_read_map(self, epoch: Epoch, progress: Progress, fetch: FetchBatch,
                       ref: Any) -> Reading:

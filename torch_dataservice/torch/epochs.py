@@ -61,6 +61,9 @@ class Epoch:
     #: how many of its positions one batch holds (batch_size; 1 for a user's batches).
     deal: Deal | None = None
     per_batch: int = 1
+    #: A resumed epoch: the batch its remainder starts at, per rank (for the batches' seeds:
+    #: with ranks in step at the same world size, exactly the uninterrupted run's batches).
+    first_batch: int = 0
     _sampler_iter: Any = None
     _replay: bool = False
     #: torch-exact epochs: a second iterator of the sampler, advanced as torch's iterator
@@ -195,6 +198,9 @@ class EpochPlanner:
         epoch.deal = Deal(len(order), world, policy, tuple(epoch.consumed or ()))
         if world > 1 or epoch.consumed:
             order = [order[p] for p in epoch.deal.positions(rank)]
+        if epoch.consumed:
+            yielded = epoch.deal.length - epoch.deal.remaining
+            epoch.first_batch = yielded // (world * epoch.per_batch)
         epoch.batches = (sampling.batched(order, loader.batch_size, loader.drop_last)
                          if default_sampling else order)
         return epoch.batches
