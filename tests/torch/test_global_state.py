@@ -222,7 +222,7 @@ def test_a_state_saved_by_two_ranks_resumes_at_another_world_size(
         cluster: Cluster, monkeypatch: pytest.MonkeyPatch, new_world: int) -> None:
     n, make = 50, make_loader(cluster)
     state, heads = save_after(monkeypatch, 2, make, steps=3)
-    assert state["consumed"] == [[0, 24]] and state["in_progress"] and state["epoch"] == 0
+    assert state["consumed_ranges"] == [[0, 24]] and state["in_progress"] and state["epoch"] == 0
     buffer = io.BytesIO()
     torch.save(json.loads(json.dumps(state)), buffer)
     buffer.seek(0)
@@ -282,8 +282,8 @@ def test_a_state_of_another_dataset_or_sampler_is_refused(cluster: Cluster) -> N
     with pytest.raises(ValueError, match="counts 'samples' but this loader deals 'batches'"):
         tds.DataLoader(Indices(50), batch_sampler=[[0, 1]], service=cluster.target
                        ).load_state_dict(state)
-    with pytest.raises(ValueError, match="'consumed'"):
-        make_loader(cluster)().load_state_dict({**state, "consumed": [[0, 51]]})
+    with pytest.raises(ValueError, match="'consumed_ranges'"):
+        make_loader(cluster)().load_state_dict({**state, "consumed_ranges": [[0, 51]]})
     with pytest.raises(ValueError, match="'base_seed' must be an int, got '3'"):
         make_loader(cluster)().load_state_dict({**state, "base_seed": "3"})
     with pytest.raises(ValueError, match="even_batches must be .* got 'evenly'"):
@@ -302,7 +302,7 @@ def test_a_single_process_resumed_from_a_global_state_saves_a_global_one(
     assert loader.state_dict() == state  # not iterated yet: the loaded state
     head = epoch(loader, limit=2)
     again = loader.state_dict()
-    assert again["consumed"] == [[0, 16]] and again["world_size"] == 1
+    assert again["consumed_ranges"] == [[0, 16]] and again["world_size"] == 1
     resumed = make()
     resumed.load_state_dict(again)
     assert head + epoch(resumed) == rest
@@ -316,7 +316,7 @@ def test_custom_batch_sampler_batches_are_dealt_whole(
         return tds.DataLoader(Indices(200), batch_sampler=batch_sampler, service=cluster.target)
 
     state, heads = save_after(monkeypatch, 2, make, steps=2)
-    assert (state["unit"], state["length"], state["consumed"]) == ("batches", 11, [[0, 4]])
+    assert (state["unit"], state["length"], state["consumed_ranges"]) == ("batches", 11, [[0, 4]])
     rest = []
     for rank in range(3):
         as_plain_rank(monkeypatch, rank, 3)

@@ -128,7 +128,7 @@ def check_resumed(saved: Saved, runs: list[list[dict]]) -> None:
 
     ranks = len(runs)
     state = torch.load(saved.checkpoint, weights_only=False)["loader"]
-    assert state["epoch"] == 0 and state["consumed"] == [[0, 2 * BATCH * SAVE_AT]]
+    assert state["epoch"] == 0 and state["consumed_ranges"] == [[0, 2 * BATCH * SAVE_AT]]
     remaining = SAMPLES - len(saved.before)
     for epoch, dropped in ((0, remaining % ranks), (1, SAMPLES % ranks)):
         per_rank = [[line["indices"] for line in run if line.get("epoch") == epoch

@@ -204,7 +204,8 @@ class DataLoader(torch.utils.data.DataLoader):
         pending, epoch = self._tds_epochs.pending, self._tds_epoch
         progress = self._tds_progress
         if pending is not None and global_state.is_global(pending) and pending["in_progress"]:
-            deal = Deal(pending["length"], world, self._tds_even, tuple(pending["consumed"]))
+            deal = Deal(pending["length"], world, self._tds_even,
+                        tuple(pending["consumed_ranges"]))
         elif (pending is None and epoch is not None and epoch.deal is not None
               and progress is not None and not progress.finished):
             deal = epoch.deal

@@ -153,7 +153,7 @@ class EpochPlanner:
         if global_state.is_global(state):
             epoch = Epoch(int(state["epoch"]))
             if state["in_progress"]:
-                epoch.consumed, epoch.saved_length = state["consumed"], state["length"]
+                epoch.consumed, epoch.saved_length = state["consumed_ranges"], state["length"]
             return epoch
         epoch = Epoch(int(state["epoch"]), rng=state["rng"])
         if state["in_progress"]:

@@ -14,8 +14,9 @@ made ahead. The format (plain JSON-able data):
 
     {"epoch": 3, "in_progress": True, "base_seed": 1234, "seeded": True, "rng": None,
      "world_size": 2, "batches_yielded": 5, "unit": "samples", "length": 1001,
-     "consumed": [[0, 160]]}
+     "consumed_ranges": [[0, 160]]}
 
+`consumed_ranges`: half-open `[start, end)` ranges of positions of the epoch's global order.
 `unit` says what a position is ("samples" with the default samplers, "batches" with a user's
 sampler or batch sampler, whose batches are dealt whole); `length` is the epoch's global
 order length, so a state of another dataset is refused; `batches_yielded` is the most any rank
@@ -35,12 +36,13 @@ from torch_dataservice.torch.ranges import Range
 
 SAMPLES, BATCHES = "samples", "batches"
 KEYS = ("epoch", "in_progress", "base_seed", "world_size", "batches_yielded", "unit", "length",
-        "consumed")
+        "consumed_ranges")
 
 
 def is_global(state: Any) -> bool:
-    """Whether `state` is of this format (per-rank states have no 'consumed')."""
-    return isinstance(state, Mapping) and "consumed" in state
+    """Whether `state` is of this format (per-rank states have no 'consumed_ranges'; the
+    split states of DYNAMIC iterables, iterable_state.py, name theirs 'consumed')."""
+    return isinstance(state, Mapping) and "consumed_ranges" in state
 
 
 @dataclass(frozen=True)
@@ -113,12 +115,12 @@ def encode(epoch: int, in_progress: bool, seed: int | None, world_size: int, bat
     """The state dict (see the module docstring)."""
     return {"epoch": epoch, "in_progress": in_progress, "base_seed": seed, "seeded": True,
             "rng": None, "world_size": world_size, "batches_yielded": batches, "unit": unit,
-            "length": length, "consumed": ranges.encode(consumed)}
+            "length": length, "consumed_ranges": ranges.encode(consumed)}
 
 
 def validated(state: Mapping[str, Any], unit: str, length: int | None) -> dict[str, Any]:
     """`state` checked against this loader (`length`: its epoch's, when known without drawing),
-    with a ValueError naming what is wrong; 'consumed' decoded to ranges."""
+    with a ValueError naming what is wrong; 'consumed_ranges' decoded to ranges."""
     missing = [key for key in KEYS if key not in state]
     if missing:
         raise ValueError(f"not a tds.DataLoader global state: missing {missing}")
@@ -142,7 +144,7 @@ def validated(state: Mapping[str, Any], unit: str, length: int | None) -> dict[s
         raise ValueError(f"state 'length' must be an int >= 0 or None, got {saved_length!r}")
     check_length(saved_length, length, unit)
     loaded = {key: state[key] for key in KEYS}
-    loaded["consumed"] = ranges.decode(state["consumed"], saved_length or 0)
+    loaded["consumed_ranges"] = ranges.decode(state["consumed_ranges"], saved_length or 0)
     if loaded["in_progress"] and saved_length is None:
         raise ValueError("state 'length' must be given for an epoch in progress")
     return loaded
@@ -185,6 +187,6 @@ def gather(view: RankView, ranks: RankInfo) -> list[RankView]:
 def reencoded(loaded: Mapping[str, Any]) -> dict[str, Any]:
     """A loaded (validated) state as it was saved."""
     state = dict(loaded)
-    state["consumed"] = ranges.encode(list(loaded["consumed"]))
+    state["consumed_ranges"] = ranges.encode(list(loaded["consumed_ranges"]))
     state.update(seeded=True, rng=None)
     return state

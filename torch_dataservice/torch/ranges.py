@@ -91,7 +91,7 @@ def encode(ranges: list[Range]) -> list[list[int]]:
     return [[start, end] for start, end in ranges]
 
 
-def decode(data: Any, length: int, what: str = "consumed") -> list[Range]:
+def decode(data: Any, length: int, what: str = "consumed_ranges") -> list[Range]:
     """A set of ranges read back, checked to lie in `[0, length)`, sorted and disjoint."""
     if not isinstance(data, list | tuple):
         raise ValueError(f"state {what!r} must be a list of [start, end] ranges, got "
