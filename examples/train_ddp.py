@@ -8,7 +8,8 @@
 The only data-loading line is `tds.DataLoader(...)`, with torch's arguments. Under torchrun it
 gives every rank a disjoint part of each epoch and the same number of batches (no hang at the
 end of an epoch even though 1001 samples do not divide by 2 ranks x 16), `set_epoch`
-reshuffles, and `state_dict()` goes into the checkpoint so a restarted run resumes mid-epoch.
+reshuffles, and `state_dict()` goes into the checkpoint so a restarted run resumes mid-epoch,
+with as many ranks or another number of them (the state is the same on every rank).
 The dataset class below is defined in this script: it travels to the workers by value.
 """
 
@@ -77,13 +78,14 @@ def main() -> None:
         saved = torch.load(args.checkpoint / f"rank{rank}.pt", weights_only=False)
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
-        loader.load_state_dict(saved["loader"])  # each rank restores its own position
+        loader.load_state_dict(saved["loader"])  # the same state for all ranks
         start_epoch = saved["loader"]["epoch"]
 
     def save() -> None:
         args.checkpoint.mkdir(parents=True, exist_ok=True)
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "loader": loader.state_dict()}, args.checkpoint / f"rank{rank}.pt")
+                    "loader": loader.state_dict()},  # a collective: every rank calls it
+                   args.checkpoint / f"rank{rank}.pt")
 
     seen: dict[int, list[list[int]]] = {}
     steps = 0

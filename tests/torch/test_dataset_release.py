@@ -54,8 +54,12 @@ def test_epochs_of_a_big_dataset_do_not_grow_worker_memory(cluster_factory) -> N
             torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)), epoch
         time.sleep(0.1)
         rss.append(_executor_rss(worker))
-    growth = rss[-1] - rss[1]
-    assert growth < 8 * MB, [r // MB for r in rss]  # before: +16 MiB of pickle per epoch
+    # Before the fix: +16 MiB of pickle every epoch. The allocator may still step up once (a
+    # freed 16 MiB dataset raises glibc's mmap threshold, and the next copy lands on the heap:
+    # seen as one +26 MiB step under load), so one step is allowed, not a growth per epoch.
+    steps = [after - before for before, after in zip(rss[1:], rss[2:], strict=False)]
+    assert sum(1 for step in steps if step > 8 * MB) <= 1, [r // MB for r in rss]
+    assert rss[-1] - rss[1] < 40 * MB, [r // MB for r in rss]
 
     state = cluster.dispatcher._service.state  # noqa: SLF001
     shared = [d for d in state.datasets.values() if d.definition.shared_object]

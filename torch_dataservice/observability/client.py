@@ -53,6 +53,7 @@ class ClientStats:
         self.samples_dropped = 0   # even_batches (DataLoader), per epoch
         self.samples_padded = 0
         self.batches_dropped = 0   # ... with a user's sampler: whole batches
+        self.batches_padded = 0
         self._lock = threading.Lock()
         _ProcessMetrics.get().track(self)
 
@@ -83,7 +84,8 @@ class ClientStats:
                 "wait_seconds_per_batch": self.wait_seconds / self.batches if self.batches
                 else 0.0,
                 "per_worker": per_worker, "samples_dropped": self.samples_dropped,
-                "samples_padded": self.samples_padded, "batches_dropped": self.batches_dropped}
+                "samples_padded": self.samples_padded, "batches_dropped": self.batches_dropped,
+                "batches_padded": self.batches_padded}
 
 
 _sink = threading.local()

@@ -7,6 +7,9 @@ batches are made by the service's workers.
 - `registration`: registering an epoch with the service, and its job name.
 - `loader_iter`: the iterator of one epoch and its readers (reorder, shard merge, timeout).
 - `state`: the state_dict format (plain JSON-able data).
+- `global_state`, `dealing`, `ranges`: under torch.distributed, one state for all ranks (the
+  epoch's global positions yielded, as ranges), and how an epoch or what remains of it is
+  dealt out to the ranks at any world size with the `even_batches` policy.
 - `fetch`, `shards`, `worker_context` (run on the workers): one index batch made as torch's
   worker would (WorkerInfo, seeds, worker_init_fn); an iterable dataset's shard.
 - `distributed`: the rank / world size of this process and what ranks agree on without talking.

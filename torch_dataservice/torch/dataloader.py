@@ -8,11 +8,12 @@ worker `position % num_workers` would (`fetch.py`). A small reorder buffer keyed
 restores torch's order (`in_order=True`); it stays small because splits are handed out in
 order, so only batches overtaken by a slower one wait (`loader_iter.py`).
 
-Under torchrun every rank draws the same global batch list from the same seed (no
-communication) and registers its own part: batch b goes to rank b % world_size, and with
-`even_batches` the batch list is first cut to a multiple of world_size, so every rank yields
-the same number of batches and DDP cannot hang at the end of an epoch. With the default
-samplers this is exactly `DistributedSampler(drop_last=True)` + `BatchSampler`: at most
+Under torchrun every rank draws the same global order from the same seed (no communication)
+and registers its own part (`dealing.py`): item i goes to rank i % world_size, and with
+`even_batches` (True or "drop") the order is first cut to a multiple of world_size ("pad":
+its first items are given again), so every rank yields the same number of batches and DDP
+cannot hang at the end of an epoch. With the default samplers this is exactly
+`DistributedSampler(drop_last=True)` (or `drop_last=False`) + `BatchSampler`: at most
 world_size - 1 samples are dropped per epoch. With a user's sampler or batch_sampler the
 global batches are dealt out, so at most world_size - 1 batches are dropped. A
 `DistributedSampler` passed by the user already splits by rank and is used as it is.
@@ -25,13 +26,14 @@ rank.
 
 `state_dict()` / `load_state_dict()` follow torchdata's StatefulDataLoader (`state.py`): a
 loader restored from a state taken after k batches of an epoch re-draws that epoch and
-registers only the batches not yet yielded.
+registers only the batches not yet yielded. Under torch.distributed a map-style loader's state
+is one for all ranks (`global_state.py`, a collective): the epoch's global positions some rank
+had yielded, so that a loader at any world size deals out the rest (`dealing.py`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import warnings
 import zlib
 from collections.abc import Callable
@@ -44,7 +46,8 @@ from torch.utils.data import IterableDataset
 from torch_dataservice.client.api import ReadOptions, ShardingPolicy
 from torch_dataservice.observability.client import ClientStats
 from torch_dataservice.pipeline import Pipeline
-from torch_dataservice.torch import embedded, iterable_state, sampling, state
+from torch_dataservice.torch import embedded, global_state, iterable_state, sampling, state
+from torch_dataservice.torch.dealing import UNEVEN, Deal, batch_count, even_policy
 from torch_dataservice.torch.distributed import RankInfo, rank_info, run_seed
 from torch_dataservice.torch.epochs import Epoch, EpochPlanner, seeded_worker_seed
 from torch_dataservice.torch.fetch import EpochSeeds, FetchBatch
@@ -58,7 +61,7 @@ from torch_dataservice.torch.loader_iter import (
     read_shards,
     reading_from,
 )
-from torch_dataservice.torch.loader_stats import even_batches_loss
+from torch_dataservice.torch.loader_stats import record_even_batches
 from torch_dataservice.torch.registration import Registrar
 from torch_dataservice.torch.shards import RunShard
 
@@ -84,7 +87,11 @@ class DataLoader(torch.utils.data.DataLoader):
     - `job_name`: loaders with the same name share each epoch's batches, first come first
       served (then batches come in arrival order). Under torchrun an iterable dataset's ranks
       share one job anyway; a `job_name` given there names it (all ranks must pass the same).
-    - `even_batches`: under torchrun, every rank yields the same number of batches.
+    - `even_batches`: under torchrun, `True` (= "drop") cuts each epoch to a multiple of the
+      world size, "pad" repeats its first samples as `DistributedSampler(drop_last=False)`,
+      so every rank yields the same number of batches; `False` deals it out unevenly. (An
+      iterable dataset's ranks read one coordinated job, which ends at a round boundary
+      with either True or "pad".)
     - `compression`, `max_outstanding_requests`: as in `tds.distribute`.
 
     The dataset and `collate_fn` travel to the workers with cloudpickle (by value when they are
@@ -115,7 +122,7 @@ class DataLoader(torch.utils.data.DataLoader):
         service: Any = None,
         processing_mode: Any = "distributed_epoch",
         job_name: str | None = None,
-        even_batches: bool = True,
+        even_batches: bool | str = True,
         compression: str | None = "AUTO",
         max_outstanding_requests: int | None = None,
     ) -> None:
@@ -142,6 +149,7 @@ class DataLoader(torch.utils.data.DataLoader):
         if compression not in ("AUTO", None):
             raise ValueError(f"compression must be 'AUTO' or None, got {compression!r}")
         self._tds_policy = options.policy
+        self._tds_even = even_policy(even_batches)
         self._tds_iterable = isinstance(self.dataset, IterableDataset)
         self._tds_default_sampling = sampler is None and batch_sampler is None
         self._tds_shuffle = bool(shuffle)
@@ -156,7 +164,7 @@ class DataLoader(torch.utils.data.DataLoader):
                 "service='grpc://HOST:PORT' or set TORCH_DATASERVICE_ADDRESS")
         self._tds_registrar = Registrar(
             service, embedded_service, options.policy, job_name, compression,
-            max_outstanding_requests, self._tds_ranks, bool(even_batches),
+            max_outstanding_requests, self._tds_ranks, self._tds_even != UNEVEN,
             Registrar.new_iterable_number() if self._tds_iterable else -1)
 
         # Epochs. Seeded: an epoch's draw is a function of (seed, epoch), as with
@@ -170,6 +178,7 @@ class DataLoader(torch.utils.data.DataLoader):
             seed = None  # drawn from torch's global RNG by the first set_epoch
         self._tds_epochs = EpochPlanner(seed, self._tds_split, persistent_workers)
         self._tds_progress: Progress | None = None
+        self._tds_epoch: Epoch | None = None  # the latest iter()'s
         self._tds_stats = ClientStats(rank=self._tds_ranks.rank)  # see stats()
         self.check_worker_number_rationality()  # torch's warning, as its __init__ gives it
 
@@ -187,35 +196,39 @@ class DataLoader(torch.utils.data.DataLoader):
         self._tds_epochs.set_epoch(epoch, self)
 
     def __len__(self) -> int:
+        """This rank's batches in the epoch: a resumed epoch's remainder, else a whole one."""
         if self._tds_iterable or not self._tds_epochs.seeded:
             return super().__len__()
-        ranks = self._tds_ranks
-        split = self._tds_split
-        even = self._tds_registrar.even
+        rank, world = (self._tds_ranks.rank, self._tds_ranks.world_size) if self._tds_split \
+            else (0, 1)
+        pending, epoch = self._tds_epochs.pending, self._tds_epoch
+        progress = self._tds_progress
+        if pending is not None and global_state.is_global(pending) and pending["in_progress"]:
+            deal = Deal(pending["length"], world, self._tds_even,
+                        tuple(pending["consumed_ranges"]))
+        elif (pending is None and epoch is not None and epoch.deal is not None
+              and progress is not None and not progress.finished):
+            deal = epoch.deal
+        else:
+            deal = Deal(self._tds_epoch_length(), world, self._tds_even)
+        if not self._tds_default_sampling:
+            return deal.count(rank)
+        return batch_count(deal.count(rank), self.batch_size, self.drop_last)
+
+    def _tds_epoch_length(self) -> int:
+        """Positions in an epoch's global order: samples, or a user sampler's batches."""
         if self._tds_default_sampling:
-            n = len(self.dataset)
-            if split:
-                m = (n - n % ranks.world_size) // ranks.world_size if even \
-                    else len(range(ranks.rank, n, ranks.world_size))
-            else:
-                m = n
-            if self.batch_size is None:
-                return m
-            return m // self.batch_size if self.drop_last else math.ceil(m / self.batch_size)
-        count = len(sampling.index_sampler(self))
-        if not split:
-            return count
-        if even:
-            return count // ranks.world_size
-        return len(range(ranks.rank, count, ranks.world_size))
+            return len(self.dataset)
+        return len(sampling.index_sampler(self))
 
     # ------------------------------------------------------------------------ iteration
 
     def __iter__(self) -> LoaderIterator:
         self.check_worker_number_rationality()  # torch warns at every iter() too
         epoch = self._tds_epochs.begin(self, self._tds_iterable)
+        self._tds_epoch = epoch
         stats = self._tds_stats
-        stats.samples_dropped, stats.batches_dropped = even_batches_loss(self)
+        record_even_batches(stats, None, True)  # until the epoch is dealt out
         self._tds_registrar.passes += 1  # in job names: an epoch read again is a new job
         # Map-style: the positions yielded (an out-of-order resume leaves them out).
         positions = set() if self._tds_iterable else set(epoch.positions or range(epoch.yielded))
@@ -249,15 +262,16 @@ class DataLoader(torch.utils.data.DataLoader):
             # each: they are a function of the job's name and epoch.
             base_seed = seeded_worker_seed(zlib.crc32(job_name.encode()), epoch.number)
         return EpochSeeds(base_seed, epoch.round, self.num_workers, self.worker_init_fn,
-                          stride, offset)
+                          stride, offset, epoch.first_batch)
 
     def _tds_read_map(self, epoch: Epoch, progress: Progress, fetch: FetchBatch,
                       ref: Any) -> Reading:
         """Draw the epoch's batches, register those not yet yielded, and read them."""
         ranks = self._tds_ranks
         batches = self._tds_epochs.draw(
-            self, epoch, ranks.rank, ranks.world_size, self._tds_split, self._tds_registrar.even,
+            self, epoch, ranks.rank, ranks.world_size, self._tds_split, self._tds_even,
             self._tds_default_sampling, self._tds_shuffle)
+        record_even_batches(self._tds_stats, epoch.deal, self._tds_default_sampling)
         progress.total = len(batches)
         if self.num_workers > 0:
             epoch.advance(self.num_workers * (self.prefetch_factor or 2))  # torch's prefetch
@@ -332,12 +346,21 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is: the epoch, batches yielded in it, and what it was drawn from
-        (torchdata StatefulDataLoader convention; plain data: `json.dumps`-able). A DYNAMIC
-        Pipeline or IterableDataset saves the splits consumed instead (iterable_state.py)."""
+        (torchdata StatefulDataLoader convention; plain data: `json.dumps`-able).
+
+        Under torch.distributed a map-style loader's state is one for all ranks (a collective:
+        call it on every rank at the same step), resumable at any world size (global_state.py);
+        a DYNAMIC Pipeline or IterableDataset saves the splits consumed (iterable_state.py)."""
         if iterable_state.saves(self):
             return iterable_state.state_dict(self)
         planner = self._tds_epochs
+        if self._tds_saves_global():
+            saved = self._tds_global_state()
+            if saved is not None:
+                return saved
         if planner.pending is not None:
+            if global_state.is_global(planner.pending):
+                return global_state.reencoded(planner.pending)
             saved = dict(planner.pending)
             saved["rng"] = state.encode_rng(saved["rng"])
             return saved
@@ -360,10 +383,32 @@ class DataLoader(torch.utils.data.DataLoader):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from `state_dict` at the next `iter()` (an iterator already running goes
         on as it is): the batches not yet yielded in the saved epoch, or the saved next epoch.
-        An empty dict changes nothing, as with torchdata's StatefulDataLoader."""
+        An empty dict changes nothing, as with torchdata's StatefulDataLoader. A global state
+        (saved under torch.distributed) loads at any world size."""
         if isinstance(state_dict, dict) and not state_dict:
             return
         state_dict = iterable_state.loading(self, state_dict)  # a split state: its epoch
+        planner = self._tds_epochs
+        if global_state.is_global(state_dict) and not self._tds_iterable:
+            if sampling.splits_by_rank(self):
+                raise ValueError("a global state cannot resume a loader whose sampler is a "
+                                 "DistributedSampler: that sampler splits the epoch itself")
+            try:
+                length: int | None = self._tds_epoch_length()
+            except TypeError:  # a sampler without a length: checked when drawn
+                length = None
+            loaded = global_state.validated(state_dict, self._tds_unit(), length)
+            planner.seed, planner.seeded = loaded["base_seed"], True
+        else:
+            loaded = self._tds_validated_rank_state(state_dict)
+            planner.seed = loaded["base_seed"]
+            planner.seeded = bool(loaded["seeded"])
+        planner.next_epoch = loaded["epoch"]
+        planner.pending = loaded
+        self._tds_progress = None
+
+    def _tds_validated_rank_state(self, state_dict: Any) -> dict[str, Any]:
+        """A per-rank state, checked to be this rank's when ranks split epochs."""
         loaded = state.validated(state_dict)
         ranks = self._tds_ranks
         saved = (loaded["rank"], loaded["world_size"])
@@ -371,12 +416,51 @@ class DataLoader(torch.utils.data.DataLoader):
             raise ValueError(
                 f"state of rank {saved[0]} of {saved[1]} cannot resume rank {ranks.rank} of "
                 f"{ranks.world_size}: each rank restores its own state, in a run of the same size")
+        return loaded
+
+    def _tds_unit(self) -> str:
+        return global_state.SAMPLES if self._tds_default_sampling else global_state.BATCHES
+
+    def _tds_saves_global(self) -> bool:
+        """Whether state_dict() is the global one: seeded map-style epochs dealt by this loader,
+        under a process group, or in an epoch resumed from a global state."""
         planner = self._tds_epochs
-        planner.seed = loaded["base_seed"]
-        planner.seeded = bool(loaded["seeded"])
-        planner.next_epoch = loaded["epoch"]
-        planner.pending = loaded
-        self._tds_progress = None
+        if self._tds_iterable or not planner.seeded or sampling.splits_by_rank(self):
+            return False
+        progress, epoch = self._tds_progress, self._tds_epoch
+        if (planner.pending is None and progress is not None and not progress.finished
+                and (epoch is None or epoch.deal is None)):
+            return False  # an epoch drawn as torch draws it (set_epoch came after its iter())
+        if self._tds_ranks.process_group:
+            return True
+        if planner.pending is not None:
+            return global_state.is_global(planner.pending)
+        return epoch is not None and epoch.consumed is not None
+
+    def _tds_global_state(self) -> dict[str, Any] | None:
+        """The state of all ranks together (a collective); None when every rank holds a loaded
+        state not yet iterated (then that state is the answer)."""
+        planner, epoch, ranks = self._tds_epochs, self._tds_epoch, self._tds_ranks
+        rank = ranks.rank if self._tds_split else 0
+        deal = epoch.deal if epoch is not None else None
+        view = global_state.rank_view(planner.pending, self._tds_progress, deal,
+                                      epoch.per_batch if epoch is not None else 1,
+                                      planner.next_epoch, rank)
+        views = global_state.gather(view, ranks)
+        if all(v.phase == "pending" for v in views):
+            return None
+        number, in_progress, consumed, batches = global_state.combine(views, deal)
+        length: int | None
+        if in_progress:
+            assert deal is not None
+            length = deal.length
+        else:
+            try:
+                length = self._tds_epoch_length()
+            except TypeError:
+                length = None
+        return global_state.encode(number, in_progress, planner.seed, ranks.world_size, batches,
+                                   self._tds_unit(), length, consumed)
 
 
 def torch_warn(message: str) -> None:

@@ -1,9 +1,11 @@
 """This process's place in a torchrun / torch.distributed run, and what ranks agree on.
 
-Map-style loaders need no communication at all: every rank draws the same global batch list
-from the same seed and keeps its own part, so a loader built on one rank only (an evaluation
-loader on rank 0) can never hang the others. Only iterable datasets under a process group talk,
-once per loader: rank 0 broadcasts the name of the job all ranks share (`broadcast_token`).
+Map-style loaders need no communication to iterate: every rank draws the same global batch
+list from the same seed and keeps its own part, so a loader built on one rank only (an
+evaluation loader on rank 0) can never hang the others. Ranks talk only in collectives the user
+calls on every rank: iterable datasets under a process group, once per loader (rank 0
+broadcasts the name of the job all ranks share: `broadcast_token`), and `state_dict()`, which
+gathers every rank's position (`all_gather`). Both run on gloo, whatever the training backend.
 """
 
 from __future__ import annotations
@@ -61,16 +63,37 @@ def local_world_size() -> int:
         return 1
 
 
-_token_group: list = []  # the gloo group tokens are broadcast over, created once
+def restart_count() -> int:
+    """How many times torchrun restarted this group (`--max-restarts`), 0 outside torchrun."""
+    try:
+        return max(0, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    except ValueError:
+        return 0
+
+
+_token_group: list = []  # the gloo group objects travel over, created once
+
+
+def _gloo_group() -> object:
+    """The default group when it is gloo, else a gloo group of our own (made once: a collective
+    too), so small objects travel on CPU whatever the training backend. Its waits end at the
+    process group's timeout."""
+    if not _token_group:
+        _token_group.append(None if dist.get_backend() == "gloo"
+                            else dist.new_group(backend="gloo"))
+    return _token_group[0]
 
 
 def broadcast_token() -> str:
     """A random token chosen by rank 0 and known to every rank (a collective: every rank of the
     process group must call it, in the same order)."""
-    if not _token_group:
-        # A gloo group of our own: the token travels on CPU whatever the training backend.
-        _token_group.append(None if dist.get_backend() == "gloo"
-                            else dist.new_group(backend="gloo"))
     box = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0, group=_token_group[0])
+    dist.broadcast_object_list(box, src=0, group=_gloo_group())
     return str(box[0])
+
+
+def all_gather(value: object) -> list:
+    """Every rank's `value`, in rank order (a collective, as `broadcast_token`)."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value, group=_gloo_group())
+    return gathered

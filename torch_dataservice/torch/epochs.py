@@ -9,7 +9,9 @@ so two iterators of one loader, an epoch broken off and started again, and persi
 workers' epochs get torch's shuffles and seeds.
 
 Seeded epochs (`set_epoch`, torchrun ranks) are a function of (seed, epoch) instead: ranks
-agree without talking, and a restarted process draws the same epoch again.
+agree without talking, and a restarted process draws the same epoch again. Their global order
+is dealt out to the ranks by `dealing.Deal`; an epoch resumed from a global state
+(global_state.py) deals only what no rank had yielded, at the current world size.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from typing import Any
 
 import torch
 
-from torch_dataservice.torch import sampling
+from torch_dataservice.torch import global_state, sampling
+from torch_dataservice.torch.dealing import Deal
+from torch_dataservice.torch.ranges import Range
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +53,17 @@ class Epoch:
     worker_seed: int = 0
     round: int = 0
     batches: list[Any] | None = None
+    #: Resumed from a global state: the positions of the global order already yielded, and
+    #: the order's length then (checked against this draw's).
+    consumed: list[Range] | None = None
+    saved_length: int | None = None
+    #: Seeded, dealt epochs: how the global order was dealt (what the state describes), and
+    #: how many of its positions one batch holds (batch_size; 1 for a user's batches).
+    deal: Deal | None = None
+    per_batch: int = 1
+    #: A resumed epoch: the batch its remainder starts at, per rank (for the batches' seeds:
+    #: with ranks in step at the same world size, exactly the uninterrupted run's batches).
+    first_batch: int = 0
     _sampler_iter: Any = None
     _replay: bool = False
     #: torch-exact epochs: a second iterator of the sampler, advanced as torch's iterator
@@ -135,6 +150,11 @@ class EpochPlanner:
             epoch.batches = list(epoch._sampler_iter)
 
     def _restored(self, state: dict[str, Any]) -> Epoch:
+        if global_state.is_global(state):
+            epoch = Epoch(int(state["epoch"]))
+            if state["in_progress"]:
+                epoch.consumed, epoch.saved_length = state["consumed_ranges"], state["length"]
+            return epoch
         epoch = Epoch(int(state["epoch"]), rng=state["rng"])
         if state["in_progress"]:
             epoch.yielded = int(state["batches_yielded"])
@@ -150,7 +170,7 @@ class EpochPlanner:
         return epoch
 
     def draw(self, loader: Any, epoch: Epoch, rank: int, world: int, split: bool,
-             even: bool, default_sampling: bool, shuffle: bool) -> list[Any]:
+             policy: str, default_sampling: bool, shuffle: bool) -> list[Any]:
         """This rank's index batches of `epoch` (drawn once; torch-exact epochs draw from the
         generators' state at this moment)."""
         if epoch.batches is not None:
@@ -165,14 +185,22 @@ class EpochPlanner:
             epoch._shadow = iter(sampling.index_sampler(loader))
             return epoch.batches
         assert self.seed is not None
+        # The global order (samples, or a user's batches), the same on every rank.
         if default_sampling:
-            rank, world = (rank, world) if split else (0, 1)
             order = sampling.seeded_default_order(len(loader.dataset), shuffle, self.seed,
-                                                  epoch.number, rank, world, even)
-            epoch.batches = sampling.batched(order, loader.batch_size, loader.drop_last)
+                                                  epoch.number)
+            epoch.per_batch = loader.batch_size or 1
         else:
-            batches = sampling.seeded_custom_order(loader, self.seed, epoch.number)
-            if split:
-                batches = sampling.split_batches(batches, rank, world, even)
-            epoch.batches = batches
+            order = sampling.seeded_custom_order(loader, self.seed, epoch.number)
+        global_state.check_length(epoch.saved_length, len(order), global_state.SAMPLES
+                                  if default_sampling else global_state.BATCHES)
+        rank, world = (rank, world) if split else (0, 1)
+        epoch.deal = Deal(len(order), world, policy, tuple(epoch.consumed or ()))
+        if world > 1 or epoch.consumed:
+            order = [order[p] for p in epoch.deal.positions(rank)]
+        if epoch.consumed:
+            yielded = epoch.deal.length - epoch.deal.remaining
+            epoch.first_batch = yielded // (world * epoch.per_batch)
+        epoch.batches = (sampling.batched(order, loader.batch_size, loader.drop_last)
+                         if default_sampling else order)
         return epoch.batches

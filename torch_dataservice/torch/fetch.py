@@ -56,8 +56,9 @@ class EpochSeeds:
     """What an epoch's batches are seeded from, as torch's DataLoader iterator would.
 
     `base_seed`: drawn per `iter()` (persistent workers: once; `round` counts their epochs).
-    Seeds go by global batch number `position * stride + offset` (ranks interleave), so two
-    ranks sharing a base seed never draw alike.
+    Seeds go by global batch number `(first + position) * stride + offset` (ranks interleave),
+    so two ranks sharing a base seed never draw alike; `first` is the batch a resumed epoch's
+    remainder starts at (its batches are seeded as the same batches of an uninterrupted run).
     """
 
     base_seed: int
@@ -66,6 +67,7 @@ class EpochSeeds:
     worker_init_fn: Callable[[int], None] | None = None
     stride: int = 1
     offset: int = 0
+    first: int = 0
 
 
 class FetchBatch:
@@ -88,14 +90,15 @@ class FetchBatch:
         position, index = item
         if seeds is None:
             return position, self._fetcher().fetch(index)
+        number = seeds.first + position  # the batch's number in this rank's whole epoch
         try:
             info = None
             if seeds.num_workers > 0:
-                info = worker_info(position % seeds.num_workers, seeds.num_workers,
+                info = worker_info(number % seeds.num_workers, seeds.num_workers,
                                    seeds.base_seed, self.dataset)
                 self._init_worker(info, seeds)
             rng = RngStates.seeded(round_seed(seeds.base_seed, seeds.round),
-                                   position * seeds.stride + seeds.offset)
+                                   number * seeds.stride + seeds.offset)
             with as_torch_worker(info, rng):
                 return position, self._fetcher().fetch(index)
         except Exception as error:

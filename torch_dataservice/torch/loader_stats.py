@@ -1,26 +1,21 @@
 """What `even_batches` costs a tds.DataLoader per epoch, for `DataLoader.stats()`.
 
-Under torch.distributed with `even_batches=True` (the only mode so far; "pad" is to come),
-the epoch's global list is cut to a multiple of the world size: with the default samplers at
-most world_size - 1 samples are dropped, with a user's sampler at most world_size - 1 batches.
+Under torch.distributed an epoch's global order is dealt out to the ranks (dealing.py): with
+"drop" (`True`) its end is cut to a multiple of the world size, with "pad" its first positions
+are given again, with `False` neither. With the default samplers a position is a sample, with
+a user's sampler a whole batch, so the figures are samples or batches accordingly (at most
+world_size - 1 either way). A resumed epoch counts what its remainder lost or repeated.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from torch_dataservice.observability.client import ClientStats
+from torch_dataservice.torch.dealing import Deal
 
-from torch_dataservice.torch import sampling
 
-
-def even_batches_loss(loader: Any) -> tuple[int, int]:
-    """(samples dropped, batches dropped) per epoch, as seen from every rank."""
-    ranks = loader._tds_ranks
-    if not (loader._tds_split and loader._tds_registrar.even) or ranks.world_size <= 1:
-        return 0, 0
-    if loader._tds_default_sampling:
-        return len(loader.dataset) % ranks.world_size, 0
-    try:
-        count = len(sampling.index_sampler(loader))
-    except TypeError:  # a sampler without a length
-        return 0, 0
-    return 0, count % ranks.world_size
+def record_even_batches(stats: ClientStats, deal: Deal | None, samples: bool) -> None:
+    """Set the last epoch's dropped / padded figures (`deal` None: nothing was dealt out)."""
+    dropped = deal.dropped if deal is not None else 0
+    padded = deal.padded if deal is not None else 0
+    stats.samples_dropped, stats.samples_padded = (dropped, padded) if samples else (0, 0)
+    stats.batches_dropped, stats.batches_padded = (0, 0) if samples else (dropped, padded)

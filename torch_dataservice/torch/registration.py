@@ -9,6 +9,10 @@ an ephemeral dataset, forgotten once its iteration is garbage-collected.
 
 Iterable datasets become `num_workers` shards (shards.py); Pipelines run as they are. Under
 torchrun all ranks read one shared job, named alike on every rank.
+
+Named jobs carry torchrun's restart count (`job_identity`): a group restarted by
+`--max-restarts` re-creates its loaders, and they must not join the jobs of the group they
+replace, which the service may still hold.
 """
 
 from __future__ import annotations
@@ -30,10 +34,22 @@ from torch_dataservice.client.api import (
 from torch_dataservice.pipeline import Pipeline
 from torch_dataservice.pipeline.shared_objects import SharedObjectRef
 from torch_dataservice.torch import embedded
-from torch_dataservice.torch.distributed import RankInfo, broadcast_token, run_seed
+from torch_dataservice.torch.distributed import (
+    RankInfo,
+    broadcast_token,
+    restart_count,
+    run_seed,
+)
 from torch_dataservice.torch.fetch import EpochSeeds, FetchBatch, SharedFetchBatch
 
 _iterable_loaders = itertools.count()  # names the shared jobs of iterable loaders under DDP
+
+
+def job_identity(name: str) -> str:
+    """`name`, distinct per torchrun restart of the group (unchanged outside torchrun and in
+    its first attempt)."""
+    restarts = restart_count()
+    return f"{name}-restart{restarts}" if restarts else name
 
 
 @dataclass
@@ -65,7 +81,7 @@ class Registrar:
         """The job of this pass for a user-given job_name (one per epoch and pass)."""
         if self.job_name is None:
             return None
-        return f"{self.job_name}/epoch{epoch}/pass{self.passes}"
+        return f"{job_identity(self.job_name)}/epoch{epoch}/pass{self.passes}"
 
     # ------------------------------------------------------------------ map-style
     def fetch_ref(self, fetch: FetchBatch, persistent: bool) -> SharedObjectRef:
@@ -132,7 +148,8 @@ class Registrar:
         if ranks.distributed:
             if self.token is None:
                 # Unique per run, so a later run on the same service never joins this one's jobs.
-                self.token = broadcast_token() if ranks.process_group else f"run{run_seed()}"
+                self.token = job_identity(
+                    broadcast_token() if ranks.process_group else f"run{run_seed()}")
             # One dataset id and job for all ranks, named alike on every rank (the n-th such
             # loader of each rank, or the job_name given): the first rank's registration is
             # reused by the others.

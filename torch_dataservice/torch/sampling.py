@@ -12,7 +12,8 @@ to draw an epoch:
 - `seeded_custom_order`: a user's sampler drawn under torch's global RNG seeded with
   seed + epoch (ranks agree when the sampler draws from the global RNG or is deterministic).
 
-`split_batches` cuts one global batch list into this rank's part.
+`seeded_default_order` with a rank and `split_batches` give one rank's part of a fresh epoch as
+`dealing.Deal` deals it (the loader deals through `Deal` itself, also what remains of an epoch).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Any
 
 import torch
 from torch.utils.data import DistributedSampler
+
+from torch_dataservice.torch.dealing import DROP, UNEVEN, Deal
 
 GLOBAL_RNG = "global"
 
@@ -54,9 +57,8 @@ def seeded_default_order(num_items: int, shuffle: bool, seed: int, epoch: int, r
     else:
         order = list(range(num_items))
     if world_size > 1:
-        if even:
-            order = order[: num_items - num_items % world_size]
-        order = order[rank::world_size]
+        deal = Deal(num_items, world_size, DROP if even else UNEVEN)
+        order = [order[p] for p in deal.positions(rank)]
     return order
 
 
@@ -86,9 +88,8 @@ def split_batches(batches: list[Any], rank: int, world_size: int, even: bool) ->
     """
     if world_size == 1:
         return batches
-    if even:
-        batches = batches[: len(batches) - len(batches) % world_size]
-    return batches[rank::world_size]
+    deal = Deal(len(batches), world_size, DROP if even else UNEVEN)
+    return [batches[p] for p in deal.positions(rank)]
 
 
 def splits_by_rank(loader: torch.utils.data.DataLoader) -> bool:

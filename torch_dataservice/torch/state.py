@@ -2,7 +2,9 @@
 
 RNG states (torch ByteTensors) travel as base64 strings, so a state survives `json.dumps` /
 `json.loads` as well as `torch.save` / `torch.load`. Keys added since the first format are
-optional, so older states still load.
+optional, so older states still load. This is one rank's state; under torch.distributed a
+map-style loader saves one for all ranks instead (global_state.py), told apart by its
+'consumed_ranges' key.
 """
 
 from __future__ import annotations
