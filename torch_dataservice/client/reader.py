@@ -101,7 +101,7 @@ class IterationReader:
         self._current: Batch | None = None
         self._data_ports = DataPortPool()
         self._transports: dict[int, Transport] = {}  # chosen once per task
-        self._fallback = transports.DataPortFallback()
+        self._fallback = transports.FALLBACK  # shared: later readers skip a blocked port
         self._rounds: CoordinatedRounds | None = None
         self._threads = self._make_threads(consumer_index, connect_timeout_s)
         self._m.heartbeat()
