@@ -9,7 +9,6 @@ host E; the drain test drains B, so it runs after the tests that read from B.
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import sys
@@ -21,14 +20,20 @@ import pytest
 
 from tests.conftest import REPO
 from tests.fault.helpers import tally
+from tests.fleet.helpers import (
+    METRICS_PORT,
+    SAMPLES,
+    assert_exactly_once,
+    metrics,
+    ranks,
+    torchrun,
+)
 from tests.fleet.hosts import Fleet, Host, HostProcess, can_connect
 from torch_dataservice import version
 
-HERE = Path(__file__).resolve().parent
 TDS_SH = REPO / "deploy" / "slurm" / "tds.sh"
 TOKEN = "fleet-shared-token"
-DISPATCHER_PORT, WORKER_PORT, DATA_PORT, METRICS_PORT = 5000, 5001, 5002, 9100
-SAMPLES = 400
+DISPATCHER_PORT, WORKER_PORT, DATA_PORT = 5000, 5001, 5002
 ROUTABLE = re.compile(r"^198\.51\.100\.\d+:\d+$")
 
 
@@ -69,41 +74,6 @@ def service(fleet: Fleet) -> Service:
                             timeout_s=40, env=env)
     assert waited.returncode == 0, waited.stderr
     return Service(dispatcher, workers, waited.stdout.strip(), run_dir)
-
-
-def metrics(fleet: Fleet, host: Host, port: int = METRICS_PORT) -> dict[str, float]:
-    """The worker's `tds_worker_bytes_sent_total` by transport, scraped from host D."""
-    scrape = fleet["d"].python(
-        "import sys, urllib.request\n"
-        "print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())",
-        f"http://{host.address}:{port}/metrics", timeout_s=30)
-    assert scrape.returncode == 0, scrape.stderr
-    figures = {m.group(1): float(m.group(2)) for m in re.finditer(
-        r'^tds_worker_bytes_sent_total\{transport="(\w+)"\} (\S+)$', scrape.stdout, re.M)}
-    (elements,) = re.findall(r"^tds_worker_elements_total (\S+)$", scrape.stdout, re.M)
-    return {**figures, "elements": float(elements)}
-
-
-def torchrun(fleet: Fleet, target: str, out: Path, env: dict[str, str],
-             *extra: str) -> None:
-    """tests/fleet/trainer.py under torchrun on host D, two ranks (gloo, CPU)."""
-    result = fleet["d"].run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(HERE / "trainer.py"), target, str(out), "--samples", str(SAMPLES), *extra],
-        timeout_s=90, env=env)
-    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-
-
-def ranks(out: Path) -> list[dict]:
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-
-
-def assert_exactly_once(parts: list[list[int]], n: int) -> None:
-    """The ranks' parts are disjoint, cover range(n), and each rank got some."""
-    together = [i for part in parts for i in part]
-    assert sorted(together) == list(range(n)), (
-        f"{len(together)} elements, {len(set(together))} distinct, of {n}")
-    assert all(parts), [len(p) for p in parts]
 
 
 def read(fleet: Fleet, service: Service, n: int, out: Path, epochs: int = 1,

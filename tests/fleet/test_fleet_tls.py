@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.fleet.helpers import METRICS_PORT, SAMPLES, assert_exactly_once, metrics, ranks
+from tests.fleet.helpers import torchrun as run_trainer
 from tests.fleet.hosts import Fleet, HostProcess
-from tests.fleet.test_fleet import METRICS_PORT, SAMPLES, assert_exactly_once, metrics, ranks
-from tests.fleet.test_fleet import torchrun as run_trainer
 from tests.test_tls import OPENSSL, _issue, _openssl
 
 pytestmark = pytest.mark.skipif(OPENSSL is None, reason="needs the openssl command")
