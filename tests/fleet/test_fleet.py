@@ -100,6 +100,8 @@ def test_slurm_functions_bring_up_servers_that_advertise_routable_addresses(
         assert ROUTABLE.match(worker.address) and not worker.address.startswith("0.0.0.0")
         assert f"(gRPC port {WORKER_PORT}, data port {DATA_PORT})" in worker.output
         assert worker.address in service.dispatcher.output  # it logged the worker joining
+        assert f"metrics at http://{fleet[name].address}:{METRICS_PORT}/metrics" in (
+            worker.output)
     joined = [line for line in service.dispatcher.lines if " joined " in line]
     assert len(joined) == 2 and not any("0.0.0.0" in line for line in joined), joined
 
