@@ -173,6 +173,34 @@ def test_cli_servers_with_mtls(certs: Path, process_cluster: ProcessCluster,
 
 
 @pytest.mark.timeout(60)
+def test_a_worker_certificate_that_does_not_name_its_address_fails_the_read_clearly(
+        certs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found across hosts: a certificate that names a host name while the worker advertises
+    its address made readers retry "unreachable" for ever; it is an error, at once."""
+    for name in ("ca.pem", "ca.key"):
+        shutil.copy(certs / name, tmp_path / name)
+    (tmp_path / "ext.cnf").write_text(EXTENSIONS.replace(
+        "IP:127.0.0.1, DNS:localhost", "DNS:elsewhere.invalid"))
+    _issue("elsewhere", tmp_path)
+    trust(monkeypatch, certs)
+    dispatcher = tds.DispatchServer(tds.DispatcherConfig(host=HOST, tls=server_tls(certs)))
+    worker = None
+    try:
+        worker = tds.WorkerServer(tds.WorkerConfig(
+            dispatcher.address, host=HOST, num_processes=1, heartbeat_interval_ms=100,
+            tls=tds.TLSConfig(str(tmp_path / "elsewhere.pem"), str(tmp_path / "elsewhere.key"))))
+        began = time.monotonic()
+        with pytest.raises(ServiceUnavailableError, match="does not verify") as info:
+            read_epoch(dispatcher.target, "bad-san")
+        assert worker.address in str(info.value) and auth.TLS_CA_ENV in str(info.value)
+        assert time.monotonic() - began < 20
+    finally:
+        if worker is not None:
+            worker.stop()
+        dispatcher.stop()
+
+
+@pytest.mark.timeout(60)
 def test_an_unreachable_data_port_falls_back_to_grpc_with_one_warning(
         cluster_factory, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:

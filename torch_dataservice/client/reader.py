@@ -22,6 +22,7 @@ import atexit
 import itertools
 import logging
 import queue
+import ssl
 import threading
 import time
 import weakref
@@ -30,6 +31,7 @@ from typing import Any
 
 import grpc
 
+from torch_dataservice import auth
 from torch_dataservice.client import transports
 from torch_dataservice.client.data_port import DataPortError, DataPortPool
 from torch_dataservice.client.delivery import Batch, Delivery
@@ -37,7 +39,7 @@ from torch_dataservice.client.figures import ReaderFigures
 from torch_dataservice.client.membership import HEARTBEAT_INTERVAL_S, Membership, TaskState
 from torch_dataservice.client.rounds import CoordinatedRounds
 from torch_dataservice.client.transports import Transport
-from torch_dataservice.errors import RemoteError, is_retryable
+from torch_dataservice.errors import RemoteError, ServiceUnavailableError, is_retryable
 from torch_dataservice.observability.client import ClientStats
 from torch_dataservice.policies import STATIC_POLICIES, ShardingPolicy
 from torch_dataservice.proto import common_pb2, worker_pb2
@@ -225,6 +227,15 @@ class IterationReader:
         except transports.WorkerGone:
             del self._transports[state.info.task_id]
             state.retry_at = time.monotonic() + UNREACHABLE_BACKOFF_S
+            return None
+        except ssl.SSLCertVerificationError as error:
+            # Not the network: this worker's certificate does not verify, and will not on a
+            # retry nor over gRPC (the same check). Retrying would hang the epoch for ever.
+            self._m.fail(ServiceUnavailableError(
+                f"reading from worker {address}: its TLS certificate does not verify "
+                f"({error.verify_message or error}): check that {auth.TLS_CA_ENV} is the CA "
+                "that signed it and that the certificate names the address the worker "
+                "advertises (or give the worker a --worker-address its certificate names)"))
             return None
         except (OSError, EOFError) as error:
             if not transport.network:
