@@ -201,6 +201,28 @@ def test_a_worker_certificate_that_does_not_name_its_address_fails_the_read_clea
 
 
 @pytest.mark.timeout(60)
+def test_a_worker_that_refuses_the_readers_certificate_fails_the_read_clearly(
+        certs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dispatcher without mTLS and a worker with it (a CLI worker given the CA through
+    TORCH_DATASERVICE_TLS_CA requires client certificates): a reader without one is told."""
+    trust(monkeypatch, certs)
+    dispatcher = tds.DispatchServer(tds.DispatcherConfig(host=HOST, tls=server_tls(certs)))
+    worker = None
+    try:
+        worker = tds.WorkerServer(tds.WorkerConfig(
+            dispatcher.address, host=HOST, num_processes=1, heartbeat_interval_ms=100,
+            tls=server_tls(certs, mutual=True)))
+        began = time.monotonic()
+        with pytest.raises(ServiceUnavailableError, match="refused this reader's TLS client"):
+            read_epoch(dispatcher.target, "no-client-cert")
+        assert time.monotonic() - began < 20
+    finally:
+        if worker is not None:
+            worker.stop()
+        dispatcher.stop()
+
+
+@pytest.mark.timeout(60)
 def test_an_unreachable_data_port_falls_back_to_grpc_with_one_warning(
         cluster_factory, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:

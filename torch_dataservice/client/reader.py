@@ -59,6 +59,29 @@ UNKNOWN_TASK_BACKOFF_S = 0.02
 DEFAULT_MAX_OUTSTANDING = 4
 
 
+# TLS alerts a worker sends when it refuses this reader's certificate (or its lack of one):
+# a configuration error, not the network.
+REFUSING_TLS_ALERTS = frozenset({
+    "TLSV13_ALERT_CERTIFICATE_REQUIRED", "SSLV3_ALERT_BAD_CERTIFICATE",
+    "SSLV3_ALERT_CERTIFICATE_UNKNOWN", "TLSV1_ALERT_UNKNOWN_CA", "TLSV1_ALERT_ACCESS_DENIED"})
+
+
+def tls_refusal(error: BaseException) -> str | None:
+    """What is wrong when `error` is a TLS failure that no retry mends (None otherwise):
+    the worker's certificate does not verify here, or the worker refused ours. Found across
+    hosts: such readers said "unreachable, retrying" for ever."""
+    if isinstance(error, ssl.SSLCertVerificationError):
+        return (f"its TLS certificate does not verify ({error.verify_message or error}): "
+                f"check that {auth.TLS_CA_ENV} is the CA that signed it and that it names the "
+                "address the worker advertises (or give the worker a --worker-address its "
+                "certificate names)")
+    if isinstance(error, ssl.SSLError) and error.reason in REFUSING_TLS_ALERTS:
+        return (f"it refused this reader's TLS client certificate ({error.reason}): set "
+                f"{auth.TLS_CERT_ENV}/{auth.TLS_KEY_ENV} to a certificate signed by the CA "
+                "the worker trusts (--tls-ca)")
+    return None
+
+
 class IterationReader:
     """Iterator over one iteration of a job. Close it (or exhaust it) to release the worker."""
 
@@ -228,18 +251,13 @@ class IterationReader:
             del self._transports[state.info.task_id]
             state.retry_at = time.monotonic() + UNREACHABLE_BACKOFF_S
             return None
-        except ssl.SSLCertVerificationError as error:
-            # Not the network: this worker's certificate does not verify, and will not on a
-            # retry nor over gRPC (the same check). Retrying would hang the epoch for ever.
-            self._m.fail(ServiceUnavailableError(
-                f"reading from worker {address}: its TLS certificate does not verify "
-                f"({error.verify_message or error}): check that {auth.TLS_CA_ENV} is the CA "
-                "that signed it and that the certificate names the address the worker "
-                "advertises (or give the worker a --worker-address its certificate names)"))
-            return None
         except (OSError, EOFError) as error:
             if not transport.network:
                 raise  # from an in-process worker: not a connection problem
+            refusal = tls_refusal(error)
+            if refusal is not None:  # retrying (or gRPC: the same check) cannot mend it
+                self._m.fail(ServiceUnavailableError(f"reading from worker {address}: {refusal}"))
+                return None
             # Unreachable, reset, timed out or not ready: like a retryable gRPC error.
             state.failures += 1
             replacement = self._fallback.replacement(transport, state.info, state.failures,
