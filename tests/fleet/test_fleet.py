@@ -31,6 +31,8 @@ from tests.fleet.helpers import (
 from tests.fleet.hosts import Fleet, Host, HostProcess, can_connect
 from torch_dataservice import version
 
+pytestmark = pytest.mark.slow  # servers as subprocesses, in namespaces
+
 TDS_SH = REPO / "deploy" / "slurm" / "tds.sh"
 TOKEN = "fleet-shared-token"
 DISPATCHER_PORT, WORKER_PORT, DATA_PORT = 5000, 5001, 5002

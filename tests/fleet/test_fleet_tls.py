@@ -20,7 +20,8 @@ from tests.fleet.helpers import torchrun as run_trainer
 from tests.fleet.hosts import Fleet, HostProcess
 from tests.test_tls import OPENSSL, _issue, _openssl
 
-pytestmark = pytest.mark.skipif(OPENSSL is None, reason="needs the openssl command")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(OPENSSL is None, reason="needs the openssl command")]
 TOKEN = "fleet-tls-token"
 PORT, WORKER_PORT, DATA_PORT = 5100, 5101, 5102
 

@@ -9,6 +9,8 @@ import pytest
 
 from tests.fleet.hosts import Fleet, can_connect
 
+pytestmark = pytest.mark.slow  # servers as subprocesses, in namespaces
+
 LISTEN = ("import socket,sys,time\n"
           "s=[socket.create_server(('0.0.0.0',p)) for p in (7001,7002)]\n"
           "print('listening',flush=True)\n"
