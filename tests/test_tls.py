@@ -173,15 +173,82 @@ def test_cli_servers_with_mtls(certs: Path, process_cluster: ProcessCluster,
 
 
 @pytest.mark.timeout(60)
+def test_a_worker_certificate_that_does_not_name_its_address_fails_the_read_clearly(
+        certs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found across hosts: a certificate that names a host name while the worker advertises
+    its address made readers retry "unreachable" for ever; it is an error, at once."""
+    for name in ("ca.pem", "ca.key"):
+        shutil.copy(certs / name, tmp_path / name)
+    (tmp_path / "ext.cnf").write_text(EXTENSIONS.replace(
+        "IP:127.0.0.1, DNS:localhost", "DNS:elsewhere.invalid"))
+    _issue("elsewhere", tmp_path)
+    trust(monkeypatch, certs)
+    dispatcher = tds.DispatchServer(tds.DispatcherConfig(host=HOST, tls=server_tls(certs)))
+    worker = None
+    try:
+        worker = tds.WorkerServer(tds.WorkerConfig(
+            dispatcher.address, host=HOST, num_processes=1, heartbeat_interval_ms=100,
+            tls=tds.TLSConfig(str(tmp_path / "elsewhere.pem"), str(tmp_path / "elsewhere.key"))))
+        began = time.monotonic()
+        with pytest.raises(ServiceUnavailableError, match="does not verify") as info:
+            read_epoch(dispatcher.target, "bad-san")
+        assert worker.address in str(info.value) and auth.TLS_CA_ENV in str(info.value)
+        assert time.monotonic() - began < 20
+    finally:
+        if worker is not None:
+            worker.stop()
+        dispatcher.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_refuses_the_readers_certificate_fails_the_read_clearly(
+        certs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dispatcher without mTLS and a worker with it (a CLI worker given the CA through
+    TORCH_DATASERVICE_TLS_CA requires client certificates): a reader without one is told."""
+    trust(monkeypatch, certs)
+    dispatcher = tds.DispatchServer(tds.DispatcherConfig(host=HOST, tls=server_tls(certs)))
+    worker = None
+    try:
+        worker = tds.WorkerServer(tds.WorkerConfig(
+            dispatcher.address, host=HOST, num_processes=1, heartbeat_interval_ms=100,
+            tls=server_tls(certs, mutual=True)))
+        began = time.monotonic()
+        with pytest.raises(ServiceUnavailableError, match="refused this reader's TLS client"):
+            read_epoch(dispatcher.target, "no-client-cert")
+        assert time.monotonic() - began < 20
+    finally:
+        if worker is not None:
+            worker.stop()
+        dispatcher.stop()
+
+
+@pytest.mark.timeout(60)
 def test_an_unreachable_data_port_falls_back_to_grpc_with_one_warning(
         cluster_factory, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
+    """Also for the next epoch (a new reader): it reads gRPC from the start, without trying
+    the port again or warning again (found across hosts: each epoch waited out the same
+    timeouts, 15 s behind a firewall that drops)."""
     cluster = cluster_factory(1)
     closed = free_port()  # nothing listens there
     monkeypatch.setattr(transports, "data_target",
                         lambda info, target_workers: ("tcp", HOST, closed))
+    attempts: list[int] = []
+    connect = client._connect_tcp
+
+    def spy(host: str, port: int) -> socket.socket:
+        attempts.append(port)
+        return connect(host, port)
+
+    monkeypatch.setattr(client, "_connect_tcp", spy)
+    pipeline = tds.Pipeline.range(N).apply(tds.distribute(
+        "distributed_epoch", cluster.target, target_workers="ANY"))
     with caplog.at_level(logging.WARNING, logger=transports.__name__):
-        assert read_epoch(cluster.target, "fallback") == list(range(N))
+        assert sorted(int(x) for x in pipeline) == list(range(N))
+        tried = len(attempts)
+        assert tried >= transports.FALLBACK_AFTER_FAILURES
+        assert sorted(int(x) for x in pipeline) == list(range(N))  # the next epoch
+    assert len(attempts) == tried  # not tried again
     warnings = [r for r in caplog.records if r.name == transports.__name__]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     message = warnings[0].getMessage()

@@ -22,6 +22,7 @@ import atexit
 import itertools
 import logging
 import queue
+import ssl
 import threading
 import time
 import weakref
@@ -30,6 +31,7 @@ from typing import Any
 
 import grpc
 
+from torch_dataservice import auth
 from torch_dataservice.client import transports
 from torch_dataservice.client.consumed import ConsumedSplits
 from torch_dataservice.client.data_port import DataPortError, DataPortPool
@@ -38,7 +40,7 @@ from torch_dataservice.client.figures import ReaderFigures
 from torch_dataservice.client.membership import HEARTBEAT_INTERVAL_S, Membership, TaskState
 from torch_dataservice.client.rounds import CoordinatedRounds
 from torch_dataservice.client.transports import Transport
-from torch_dataservice.errors import RemoteError, is_retryable
+from torch_dataservice.errors import RemoteError, ServiceUnavailableError, is_retryable
 from torch_dataservice.observability.client import ClientStats
 from torch_dataservice.policies import STATIC_POLICIES, ShardingPolicy
 from torch_dataservice.proto import common_pb2, worker_pb2
@@ -56,6 +58,29 @@ UNREACHABLE_BACKOFF_S = 0.2
 # milliseconds: retry soon, or every epoch's first batch waits a whole backoff.
 UNKNOWN_TASK_BACKOFF_S = 0.02
 DEFAULT_MAX_OUTSTANDING = 4
+
+
+# TLS alerts a worker sends when it refuses this reader's certificate (or its lack of one):
+# a configuration error, not the network.
+REFUSING_TLS_ALERTS = frozenset({
+    "TLSV13_ALERT_CERTIFICATE_REQUIRED", "SSLV3_ALERT_BAD_CERTIFICATE",
+    "SSLV3_ALERT_CERTIFICATE_UNKNOWN", "TLSV1_ALERT_UNKNOWN_CA", "TLSV1_ALERT_ACCESS_DENIED"})
+
+
+def tls_refusal(error: BaseException) -> str | None:
+    """What is wrong when `error` is a TLS failure that no retry mends (None otherwise):
+    the worker's certificate does not verify here, or the worker refused ours. Found across
+    hosts: such readers said "unreachable, retrying" for ever."""
+    if isinstance(error, ssl.SSLCertVerificationError):
+        return (f"its TLS certificate does not verify ({error.verify_message or error}): "
+                f"check that {auth.TLS_CA_ENV} is the CA that signed it and that it names the "
+                "address the worker advertises (or give the worker a --worker-address its "
+                "certificate names)")
+    if isinstance(error, ssl.SSLError) and error.reason in REFUSING_TLS_ALERTS:
+        return (f"it refused this reader's TLS client certificate ({error.reason}): set "
+                f"{auth.TLS_CERT_ENV}/{auth.TLS_KEY_ENV} to a certificate signed by the CA "
+                "the worker trusts (--tls-ca)")
+    return None
 
 
 class IterationReader:
@@ -103,7 +128,7 @@ class IterationReader:
         self._current: Batch | None = None
         self._data_ports = DataPortPool()
         self._transports: dict[int, Transport] = {}  # chosen once per task
-        self._fallback = transports.DataPortFallback()
+        self._fallback = transports.FALLBACK  # shared: later readers skip a blocked port
         self._rounds: CoordinatedRounds | None = None
         # DYNAMIC: the split tag of the element `__next__` returned last, and, with
         # `track_yielded`, every element yielded so far (client/consumed.py; one small entry
@@ -236,6 +261,10 @@ class IterationReader:
         except (OSError, EOFError) as error:
             if not transport.network:
                 raise  # from an in-process worker: not a connection problem
+            refusal = tls_refusal(error)
+            if refusal is not None:  # retrying (or gRPC: the same check) cannot mend it
+                self._m.fail(ServiceUnavailableError(f"reading from worker {address}: {refusal}"))
+                return None
             # Unreachable, reset, timed out or not ready: like a retryable gRPC error.
             state.failures += 1
             replacement = self._fallback.replacement(transport, state.info, state.failures,

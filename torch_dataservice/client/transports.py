@@ -9,7 +9,10 @@ data-transfer clients are), best first:
 A reader that cannot reach a data port (a firewall that lets gRPC through but not the data
 port, a wrong `--data-port` mapping) falls back to gRPC streaming for that task once the port
 failed `FALLBACK_AFTER_FAILURES` times in a row while the worker's gRPC port answers, with one
-warning per worker and port (`DataPortFallback`).
+warning per worker and port (`DataPortFallback`). What it learnt holds for the whole process
+(`FALLBACK`) for `FALLBACK_MEMORY_S`: a firewall does not open between two epochs, so later
+readers (the next epoch, the next loader) read that worker over gRPC from the start instead of
+waiting out the same connect timeouts again, with no second warning.
 
 `target_workers="ANY"` skips the first two and takes the network path, as a remote trainer
 would. Each transport's `fetch` raises what its path raises: grpc.RpcError, LookupError (the
@@ -22,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any, Protocol
 
 import grpc
@@ -37,6 +41,9 @@ logger = logging.getLogger(__name__)
 STREAM_TIMEOUT_S = 30
 FALLBACK_AFTER_FAILURES = 3  # data-port failures in a row before gRPC is tried instead
 HEALTH_TIMEOUT_S = 2.0
+# How long a data port found unreachable is read around before a reader tries it again (the
+# firewall may have been opened, or the worker restarted at the address with another port).
+FALLBACK_MEMORY_S = 600.0
 
 
 class Transport(Protocol):
@@ -123,7 +130,7 @@ def choose(info: common_pb2.TaskInfo, target_workers: str, pool: DataPortPool,
         if service is not None:
             return InProcess(info.worker_address, service, shared)
     target = data_target(info, target_workers)
-    if target is not None:
+    if target is not None and not FALLBACK.unreachable(info.worker_address, target):
         return DataPortTransport(pool, target)
     return GrpcStream(info.worker_address)
 
@@ -139,11 +146,22 @@ def grpc_answers(address: str) -> bool:
 
 
 class DataPortFallback:
-    """Switch a task whose data port keeps failing to gRPC streaming (module docstring)."""
+    """Switch a task whose data port keeps failing to gRPC streaming, and remember the port
+    as unreachable for later readers of this process (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, memory_s: float = FALLBACK_MEMORY_S) -> None:
         self._lock = threading.Lock()
-        self._warned: set[tuple[str, tuple]] = set()
+        self._memory_s = memory_s
+        self._unreachable: dict[tuple[str, tuple], float] = {}  # -> when it was found so
+
+    def unreachable(self, worker_address: str, target: tuple) -> bool:
+        """Whether `target`, the data port of `worker_address`, failed lately (read gRPC)."""
+        with self._lock:
+            found = self._unreachable.get((worker_address, target))
+            if found is not None and time.monotonic() - found > self._memory_s:
+                del self._unreachable[(worker_address, target)]  # worth another try
+                found = None
+        return found is not None
 
     def replacement(self, transport: Transport, info: common_pb2.TaskInfo,
                     failures: int, error: BaseException) -> Transport | None:
@@ -158,8 +176,8 @@ class DataPortFallback:
             return None  # the worker itself is down: nothing to fall back to
         key = (info.worker_address, transport.target)
         with self._lock:
-            first = key not in self._warned
-            self._warned.add(key)
+            first = key not in self._unreachable
+            self._unreachable.setdefault(key, time.monotonic())
         if first:
             where = ":".join(str(part) for part in transport.target[1:])
             logger.warning("cannot reach the data port %s of worker %s after %d attempts; "
@@ -167,6 +185,9 @@ class DataPortFallback:
                            "check that the data port is open between the hosts)", where,
                            info.worker_address, failures)
         return GrpcStream(info.worker_address)
+
+
+FALLBACK = DataPortFallback()  # this process's readers share what they learnt
 
 
 def task_groups(infos: list[common_pb2.TaskInfo], target_workers: str) -> list[list[int]]:

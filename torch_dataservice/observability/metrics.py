@@ -95,7 +95,11 @@ class MetricsEndpoint:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}/metrics"
+        """Where to scrape it from another host: a wildcard bind (0.0.0.0) is named by this
+        host's routable address, as the servers' own addresses are."""
+        from torch_dataservice.serving import advertised_host
+
+        return f"http://{advertised_host(self.host)}:{self.port}/metrics"
 
     def close(self) -> None:
         self._server.shutdown()
