@@ -14,11 +14,13 @@ interleaved rounds (medians and minima are printed; machines are shared and nois
   memory        a worker with 2 executors that ran a torch map: each executor's RSS, PSS and
                 USS (private pages) from /proc/PID/smaps_rollup
 
-    python benchmarks/startup.py                  # 5 rounds, about a minute or two
+    python benchmarks/startup.py                  # 5 rounds, a few minutes
     python benchmarks/startup.py --rounds 3 --only quickstart --only import
+    git archive HEAD~3 | tar -x -C /tmp/before    # an earlier commit, beside this one:
+    python benchmarks/startup.py --against /tmp/before
 
-`TORCH_DATASERVICE_EXECUTOR_START=interpreter` in the environment starts executors as fresh
-interpreters (the fallback) instead of forking them from the preloaded fork server.
+`--interpreter` adds the same cases with `TORCH_DATASERVICE_EXECUTOR_START=interpreter`
+(executors as fresh interpreters, the fallback, instead of forks of the preloaded fork server).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "quickstart.py"
+START_ENV = "TORCH_DATASERVICE_EXECUTOR_START"
 CASES = ("import", "quickstart", "quickstart.py", "readme", "memory")
 
 IMPORT_BASELINE = "import torch\nimport torch_dataservice.worker.server\n"
@@ -111,11 +114,18 @@ def readme_snippet() -> str:
     return match.group(1)
 
 
-def run(args: list[str], env: dict[str, str], timeout: float = 300) -> tuple[float, str]:
-    """Wall seconds of a child interpreter, and its stdout (it must succeed)."""
+def run(args: list[str], env: dict[str, str], timeout: float = 120) -> tuple[float, str]:
+    """Wall seconds of a child interpreter, and its stdout (it must succeed). It runs in a
+    neutral directory: `python -c` would import the package from its working directory first."""
     began = time.perf_counter()
-    result = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
-                            timeout=timeout, cwd=ROOT)
+    try:
+        result = subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                                env=env, timeout=timeout, cwd=tempfile.gettempdir())
+    except subprocess.TimeoutExpired as error:  # counted and reported, not fatal
+        stderr = error.stderr.decode(errors="replace") if error.stderr else ""
+        print(f"TIMEOUT after {timeout:.0f}s: {args[:1]} with {env['PYTHONPATH']}\n"
+              f"{stderr[-1500:]}", file=sys.stderr, flush=True)
+        raise
     wall = time.perf_counter() - began
     if result.returncode != 0:
         raise SystemExit(f"{args[:2]} failed:\n{result.stderr[-3000:]}")
@@ -126,68 +136,110 @@ def summary(values: list[float]) -> str:
     return f"median {statistics.median(values):6.2f}  min {min(values):6.2f}"
 
 
+def _measure(case: str, env: dict[str, str], readme: Path) -> object:
+    if case == "import":
+        return run(["-c", IMPORT_BASELINE], env)[0]
+    if case == "quickstart":
+        return json.loads(run(["-c", QUICKSTART_CHILD, str(QUICKSTART)], env)[1])
+    if case == "quickstart.py":
+        return run([str(QUICKSTART)], env)[0]
+    if case == "readme":
+        return run([str(readme)], env)[0]
+    return json.loads(run(["-c", MEMORY_CHILD], env)[1])
+
+
+def _figures(results: dict[str, list]) -> dict[str, list[float]]:
+    """Each printed figure's measurements, by label."""
+    figures: dict[str, list[float]] = {}
+    if "quickstart" in results:
+        for key, label in (("start_s", "quickstart: servers' start()"),
+                           ("first_after_start_s", "quickstart: 1st element after"),
+                           ("first_s", "quickstart: 1st element from"),
+                           ("last_s", "quickstart: last element from")):
+            figures[label] = [row[key] for row in results["quickstart"]]
+    for case in ("quickstart.py", "readme"):
+        if case in results:
+            figures[f"{case} end to end"] = results[case]
+    if "memory" in results:
+        for kind in ("rss", "pss", "uss"):
+            figures[f"executor {kind.upper()} MiB"] = [
+                e[kind] for row in results["memory"] for e in row["executors"]]
+        for kind in ("rss", "uss"):
+            servers = [s[kind] for row in results["memory"] for s in row["fork_server"]]
+            if servers:
+                figures[f"fork server {kind.upper()} MiB"] = servers
+    return figures
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--only", choices=CASES, action="append",
                         help="run only these cases (repeatable)")
+    parser.add_argument("--against", metavar="DIR",
+                        help="also run every case with the package from DIR (e.g. `git archive` "
+                             "of an earlier commit), interleaved round by round")
+    parser.add_argument("--interpreter", action="store_true",
+                        help=f"also run every case with {START_ENV}=interpreter")
     parser.add_argument("--json", help="write every measurement to this file")
     args = parser.parse_args(argv)
     cases = args.only or list(CASES)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    results: dict[str, list] = {case: [] for case in cases}
+
+    def environment(tree: Path, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k != START_ENV}
+        env["PYTHONPATH"] = os.pathsep.join([str(tree), *filter(None, [env.get("PYTHONPATH")])])
+        return {**env, **extra}
+
+    variants = {"this": environment(ROOT, **({START_ENV: os.environ[START_ENV]}
+                                             if START_ENV in os.environ else {}))}
+    if args.against:
+        variants["against"] = environment(Path(args.against).resolve())
+    if args.interpreter:
+        variants["interpreter"] = environment(ROOT, **{START_ENV: "interpreter"})
+    results: dict[str, dict[str, list]] = {
+        name: {case: [] for case in cases if case != "import"} for name in variants}
+    imports: list[float] = []
+    timeouts: dict[str, dict[str, int]] = {name: {} for name in variants}
     with tempfile.TemporaryDirectory() as tmp:
         readme = Path(tmp) / "readme_snippet.py"
         readme.write_text(readme_snippet())
         for round_ in range(args.rounds):
             for case in cases:
                 if case == "import":
-                    results[case].append(run(["-c", IMPORT_BASELINE], env)[0])
-                elif case == "quickstart":
-                    results[case].append(json.loads(
-                        run(["-c", QUICKSTART_CHILD, str(QUICKSTART)], env)[1]))
-                elif case == "quickstart.py":
-                    results[case].append(run([str(QUICKSTART)], env)[0])
-                elif case == "readme":
-                    results[case].append(run([str(readme)], env)[0])
-                elif case == "memory":
-                    results[case].append(json.loads(run(["-c", MEMORY_CHILD], env)[1]))
+                    imports.append(run(["-c", IMPORT_BASELINE], variants["this"])[0])
+                    continue
+                for name, env in variants.items():
+                    try:
+                        results[name][case].append(_measure(case, env, readme))
+                    except subprocess.TimeoutExpired:
+                        timeouts[name][case] = timeouts[name].get(case, 0) + 1
             print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-    method = os.environ.get("TORCH_DATASERVICE_EXECUTOR_START", "default")
-    print(f"executor start: {method}; {args.rounds} rounds; seconds unless noted")
-    base = statistics.median(results["import"]) if "import" in results else None
-
-    def ratio(values: list[float]) -> str:
-        return f"  = {statistics.median(values) / base:4.2f}x import" if base else ""
-
-    if "import" in results:
-        print(f"import (baseline)              {summary(results['import'])}")
-    if "quickstart" in results:
-        rows = results["quickstart"]
-        for key, label in (("start_s", "quickstart: servers' start()"),
-                           ("first_after_start_s", "quickstart: 1st element after"),
-                           ("first_s", "quickstart: 1st element from"),
-                           ("last_s", "quickstart: last element from")):
-            values = [row[key] for row in rows]
-            print(f"{label:30s} {summary(values)}{ratio(values)}")
-    for case in ("quickstart.py", "readme"):
-        if case in results:
-            label = f"{case} end to end"
-            print(f"{label:30s} {summary(results[case])}{ratio(results[case])}")
-    if "quickstart.py" in results and "readme" in results:
-        both = statistics.median(results["readme"]) / statistics.median(results["quickstart.py"])
-        print(f"readme / quickstart.py         {both:.2f}x")
-    if "memory" in results:
-        for kind in ("rss", "pss", "uss"):
-            values = [e[kind] for row in results["memory"] for e in row["executors"]]
-            print(f"executor {kind.upper()} MiB               {summary(values)}")
-        for kind in ("rss", "uss"):
-            servers = [s[kind] for row in results["memory"] for s in row["fork_server"]]
-            if servers:
-                print(f"fork server {kind.upper()} MiB            {summary(servers)}")
+    base = statistics.median(imports) if imports else None
+    print(f"{args.rounds} rounds, interleaved; seconds unless noted; median and min")
+    if base:
+        print(f"{'import (baseline)':30s} {summary(imports)}")
+    tables = {name: _figures(variant) for name, variant in results.items()}
+    for name, figures in tables.items():
+        print(f"--- {name}: {variants[name]['PYTHONPATH'].split(os.pathsep)[0]} "
+              f"({variants[name].get(START_ENV, 'default start')})")
+        for label, values in figures.items():
+            versus = (f"  = {statistics.median(values) / base:4.2f}x import"
+                      if base and "MiB" not in label else "")
+            print(f"{label:30s} {summary(values)}{versus}")
+        if timeouts[name]:
+            print(f"{'TIMED OUT (not counted)':30s} {timeouts[name]}")
+        if "quickstart.py end to end" in figures and "readme end to end" in figures:
+            both = (statistics.median(figures["readme end to end"])
+                    / statistics.median(figures["quickstart.py end to end"]))
+            print(f"{'readme / quickstart.py':30s} {both:.2f}x")
+    for name in list(tables)[1:]:
+        print(f"--- this / {name} (medians)")
+        for label, values in tables["this"].items():
+            if tables[name].get(label):
+                other = statistics.median(tables[name][label])
+                print(f"{label:30s} {statistics.median(values) / other:6.2f}x")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        Path(args.json).write_text(json.dumps({"import": imports, **results}, indent=1))
     return 0
 
 
