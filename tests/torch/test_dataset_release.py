@@ -54,19 +54,19 @@ def test_epochs_of_a_big_dataset_do_not_grow_worker_memory(cluster_factory) -> N
             torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)), epoch
         time.sleep(0.1)
         rss.append(_executor_rss(worker))
-    # Before the fix: +16 MiB of pickle every epoch. The allocator may still step up once (a
-    # freed 16 MiB dataset raises glibc's mmap threshold, and the next copy lands on the heap:
-    # seen as one +26 MiB step under load), so one step is allowed, not a growth per epoch.
-    steps = [after - before for before, after in zip(rss[1:], rss[2:], strict=False)]
-    assert sum(1 for step in steps if step > 8 * MB) <= 1, [r // MB for r in rss]
-    assert rss[-1] - rss[1] < 40 * MB, [r // MB for r in rss]
+    # No growth with the epochs (before: +16 MiB of pickle per epoch). glibc may keep a freed
+    # 16 MiB buffer or two in its heap during the first epochs (its mmap threshold adapts
+    # upwards), whichever way executors start: a plateau, so the later epochs are compared.
+    growth = rss[-1] - rss[len(rss) // 2]
+    assert growth < 8 * MB, [r // MB for r in rss]
 
     state = cluster.dispatcher._service.state  # noqa: SLF001
     shared = [d for d in state.datasets.values() if d.definition.shared_object]
     assert len(shared) == 1  # registered once, not once per epoch
     # Every epoch's task is collected, and with it what the worker kept of the datasets.
-    wait_until(lambda: not worker._tasks.task_ids(), 10, "tasks collected")  # noqa: SLF001
-    assert worker._dataset_cache == {}  # noqa: SLF001
+    # (A deleted task leaves the task list before its datasets are released: wait for both.)
+    wait_until(lambda: not worker._tasks.task_ids() and not worker._dataset_cache,  # noqa: SLF001
+               10, "tasks collected and their datasets forgotten")
     # And the dispatcher forgets each epoch's index batches (ephemeral datasets).
     wait_until(lambda: not [d for d in list(state.datasets.values())
                             if d.definition.ephemeral], 10, "epoch datasets dropped")

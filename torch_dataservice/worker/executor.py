@@ -1,11 +1,12 @@
 """The front's side of the executor processes: start them, route messages, notice deaths.
 
-Executor processes are fresh interpreters (`python -m ...executor_process`) connected by a
-socketpair: unlike multiprocessing's "spawn" they never re-import the user's `__main__` (a
-script without an `if __name__ == "__main__"` guard still works), and unlike "fork" they never
-inherit gRPC's threads. With `num_processes=0` the same executor loop runs on a thread of this
-process (for debugging, or to hand elements to in-process readers as the objects themselves:
-worker/local.py; the GIL then limits a CPU-bound map to one core).
+Executor processes are forked from a preloaded fork server (worker/launch.py: milliseconds each,
+torch's pages shared) or, as a fallback, started as fresh interpreters; either way they never
+re-import the user's `__main__` (a script without an `if __name__ == "__main__"` guard still
+works) and never inherit gRPC's threads. Each is connected by a socketpair and says `Ready`
+first: `start()` returns once all did. With `num_processes=0` the same executor loop runs on a
+thread of this process (for debugging, or to hand elements to in-process readers as the objects
+themselves: worker/local.py; the GIL then limits a CPU-bound map to one core).
 """
 
 from __future__ import annotations
@@ -14,17 +15,16 @@ import logging
 import multiprocessing
 import os
 import socket
-import subprocess
-import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from multiprocessing.connection import Connection
-from typing import Any, Protocol
+from typing import Protocol
 
 from torch_dataservice.pipeline.sharding import ReplicaPlan
 from torch_dataservice.wire.inprocess import LocalElement
-from torch_dataservice.worker import shm
+from torch_dataservice.worker import launch, shm
 from torch_dataservice.worker.executor_process import executor_main
 from torch_dataservice.worker.local import LocalChannel
 from torch_dataservice.worker.messages import (
@@ -36,6 +36,7 @@ from torch_dataservice.worker.messages import (
     FreeSegment,
     FromExecutor,
     LocalElements,
+    Ready,
     Release,
     ReplicaKey,
     SegmentElement,
@@ -52,17 +53,9 @@ from torch_dataservice.worker.messages import (
 
 logger = logging.getLogger(__name__)
 
-_EXECUTOR_BOOT = (
-    "import sys\n"
-    # The parent's import path (as multiprocessing's spawn does): its modules import here too.
-    "sys.path[:0] = sys.argv[3:]\n"
-    "from multiprocessing.connection import Connection\n"
-    "from torch_dataservice.worker.executor_process import executor_main\n"
-    "executor_main(Connection(int(sys.argv[1])), torch_threads=int(sys.argv[2]) or None)\n"
-    # Skip interpreter teardown: with torch loaded it takes seconds, and a worker waits for it.
-    "sys.stdout.flush(); sys.stderr.flush()\n"
-    "import os; os._exit(0)\n"
-)
+# How long start() waits for every executor's Ready: the first fork waits for the fork server's
+# imports (seconds; much longer on an overloaded host).
+READY_TIMEOUT_S = launch.FORK_TIMEOUT_S
 
 
 Arrived = tuple[ReplicaKey, SplitKey | None, int, bytes | memoryview | LocalElement]
@@ -93,8 +86,9 @@ class _Slot:
     def __init__(self, index: int, use_process: bool, torch_threads: int | None) -> None:
         self.index = index
         self.conn: Connection
-        self.process: Any = None
+        self.process: launch.ExecutorProcess | None = None
         self.thread: threading.Thread | None = None
+        self.ready = threading.Event()  # the executor said Ready (or died before it)
         self.send_lock = threading.Lock()
         self.datasets: set[str] = set()
         self.alive = True
@@ -103,12 +97,13 @@ class _Slot:
         if use_process:
             ours_sock, theirs_sock = socket.socketpair()
             self.conn = Connection(ours_sock.detach())
-            child_fd = theirs_sock.fileno()
-            self.process = subprocess.Popen(
-                [sys.executable, "-c", _EXECUTOR_BOOT, str(child_fd), str(torch_threads or 0),
-                 *sys.path],
-                pass_fds=(child_fd,), stdin=subprocess.DEVNULL)
-            theirs_sock.close()
+            try:
+                self.process = launch.start_executor(theirs_sock.fileno(), torch_threads)
+            except BaseException:
+                self.conn.close()
+                raise
+            finally:
+                theirs_sock.close()
         else:
             ours, theirs = multiprocessing.Pipe(duplex=True)
             self.conn = ours
@@ -172,9 +167,24 @@ class ExecutorPool:
     def size(self) -> int:
         return self._size
 
-    def start(self) -> None:
+    def start(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Start the executors; return once each said Ready. An executor that dies first or
+        a silent one past `timeout` fails the start, naming it (its stderr says why)."""
         for index in range(self._size):
             self._start_slot(index)
+        with self._lock:
+            slots = list(self._slots)
+        deadline = time.monotonic() + timeout
+        for slot in slots:
+            if not slot.ready.wait(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(
+                    f"executor {slot.index} (pid {getattr(slot.process, 'pid', None)}) did not "
+                    f"report ready within {timeout:.0f}s of the worker's start (start method: "
+                    f"{launch.start_method() if self._use_processes else 'thread'})")
+            if not slot.alive:
+                raise RuntimeError(f"executor {slot.index} (pid "
+                                   f"{getattr(slot.process, 'pid', None)}) exited before it "
+                                   "was ready: its stderr says why")
 
     def _start_slot(self, index: int) -> None:
         slot = _Slot(index, self._use_processes, self._torch_threads)
@@ -195,6 +205,7 @@ class ExecutorPool:
             except Exception:
                 logger.exception("executor message handling failed")
         slot.alive = False
+        slot.ready.set()  # nobody waits for a dead executor
         if self._closed.is_set():
             return
         logger.error("executor %d died; restarting it", slot.index)
@@ -232,6 +243,8 @@ class ExecutorPool:
                 listener.on_blocked(key)
             case Stages(totals):  # the executor's stage times (observability/stages.py)
                 listener.on_stages(slot.index, totals)
+            case Ready():
+                slot.ready.set()
             case _:
                 logger.warning("unknown message from executor %d: %r", slot.index,
                                type(message).__name__)
@@ -279,9 +292,7 @@ class ExecutorPool:
             slot.send(Shutdown())
         for slot in slots:
             if slot.process is not None:
-                try:
-                    slot.process.wait(timeout=5)
-                except subprocess.TimeoutExpired:
+                if not slot.process.wait(timeout=5):
                     slot.process.kill()
                     slot.process.wait(timeout=5)
             elif slot.thread is not None:

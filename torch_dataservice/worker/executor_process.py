@@ -47,6 +47,7 @@ from torch_dataservice.worker.messages import (
     FinishedSplit,
     FreeSegment,
     LocalElements,
+    Ready,
     Release,
     ReplicaKey,
     SegmentElement,
@@ -561,6 +562,10 @@ def executor_main(conn: Connection, local: LocalChannel | None = None,
 
         torch.set_num_threads(torch_threads)
     try:
+        try:
+            conn.send(Ready(os.getpid()))  # before the loop's sender thread writes anything
+        except OSError:
+            return  # the front is gone already
         ExecutorLoop(conn, local).run()
     finally:
         conn.close()

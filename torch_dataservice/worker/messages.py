@@ -16,6 +16,7 @@ front -> executor                            executor -> front
   Shutdown      end the executor               End / Failed    a replica ended / failed
                                                SplitRequest    a replica wants its next split
                                                Blocked         a replica waits for credits
+                                               Ready           the executor is set up (first)
 """
 
 from __future__ import annotations
@@ -145,6 +146,13 @@ class SplitRequest(NamedTuple):
     finished: FinishedSplit | None
 
 
+class Ready(NamedTuple):
+    """The executor's first message: it is set up and reads commands (the worker's start()
+    returns once every executor said so)."""
+
+    pid: int
+
+
 class Stages(NamedTuple):
     """The executor's running stage totals (observability/stages.py), a few times a second."""
 
@@ -153,7 +161,7 @@ class Stages(NamedTuple):
 
 ToExecutor = Dataset | Release | Start | Credit | SplitReply | Stop | FreeSegment | Shutdown
 FromExecutor = (SmallElements | LocalElements | BigElement | SegmentElement | End | Failed
-                | SplitRequest | Blocked | Stages)
+                | SplitRequest | Blocked | Stages | Ready)
 
 
 # ------------------------------------------------------------------ raw payload bytes

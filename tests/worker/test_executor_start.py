@@ -1,0 +1,184 @@
+"""Executor processes are forked from the preloaded fork server (worker/launch.py): not fresh
+interpreters that import torch again; they still behave as fresh ones did (torch threads,
+distinct numpy random numbers, the user's `__main__` left alone) and die with their worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+import torch_dataservice as tds
+from tests.conftest import subprocess_env, wait_until
+from torch_dataservice.worker import launch
+from torch_dataservice.worker.executor import ExecutorPool
+from torch_dataservice.worker.messages import ReplicaKey, SplitRequest, TaskError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _torch_mapping(pid: int | str) -> str | None:
+    """Where libtorch_cpu's first segment is mapped in process `pid` (None: not loaded)."""
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            if line.rstrip().endswith("libtorch_cpu.so"):
+                return line.split("-", 1)[0]
+    return None
+
+
+def who_am_i(_: int) -> tuple[int, int, str | None]:
+    return os.getpid(), os.getppid(), _torch_mapping("self")
+
+
+def test_executors_are_forked_from_the_preloaded_fork_server(cluster_factory) -> None:
+    cluster = cluster_factory(num_workers=2)
+    dataset = tds.Pipeline.range(4).map(who_am_i).apply(
+        tds.distribute("parallel_epochs", cluster.target))
+    seen = set(dataset)
+    server = launch.shared_fork_server().pid
+    assert server is not None and psutil.Process(server).ppid() == os.getpid()
+    # Both workers' executors are children of this process's one fork server ...
+    assert {pid for pid, _, _ in seen} and {ppid for _, ppid, _ in seen} == {server}
+    assert len({pid for pid, _, _ in seen}) == 2
+    # ... which imported torch before forking them: they run the fork server's mapping of
+    # libtorch (address-space layout is randomized, so an interpreter that imported torch
+    # itself would have it elsewhere).
+    assert int(open("/proc/sys/kernel/randomize_va_space").read()) > 0
+    assert {mapping for _, _, mapping in seen} == {_torch_mapping(server)} != {None}
+
+
+def test_the_interpreter_start_method_remains(cluster_factory, monkeypatch) -> None:
+    monkeypatch.setenv(launch.START_ENV, launch.INTERPRETER)
+    cluster = cluster_factory(num_workers=1)
+    dataset = tds.Pipeline.range(2).map(who_am_i).apply(
+        tds.distribute("parallel_epochs", cluster.target))
+    assert {ppid for _, ppid, _ in dataset} == {os.getpid()}  # a child of this process
+    monkeypatch.setenv(launch.START_ENV, "bogus")
+    with pytest.raises(ValueError, match="TORCH_DATASERVICE_EXECUTOR_START"):
+        launch.start_method()
+
+
+def numpy_draw(_: int) -> tuple[int, int]:
+    import numpy as np
+
+    return os.getpid(), int(np.random.randint(2**62))
+
+
+def test_executors_draw_different_numpy_random_numbers(cluster_factory) -> None:
+    # A fork copies the fork server's global generator: each executor must reseed it, as a
+    # fresh interpreter would have seeded its own.
+    cluster = cluster_factory(num_workers=2)
+    dataset = tds.Pipeline.range(1).map(numpy_draw).apply(
+        tds.distribute("parallel_epochs", cluster.target))
+    draws = dict(dataset)
+    assert len(draws) == 2 and len(set(draws.values())) == 2, draws
+
+
+class _Listener:
+    """Nothing arrives: the executors are never given work."""
+
+    def on_element(self, key: ReplicaKey, split: object, offset: int, payload: object) -> None:
+        pass
+
+    def on_end(self, key: ReplicaKey) -> None:
+        pass
+
+    def on_error(self, key: ReplicaKey, error: TaskError) -> None:
+        pass
+
+    def on_get_split(self, request: SplitRequest) -> None:
+        pass
+
+    def on_blocked(self, key: ReplicaKey) -> None:
+        pass
+
+    def on_executor_lost(self, slot: int) -> None:
+        pass
+
+    def on_stages(self, slot: int, totals: tuple[float, ...]) -> None:
+        pass
+
+
+def test_start_fails_clearly_when_an_executor_dies_before_it_is_ready() -> None:
+    pool = ExecutorPool(1, _Listener(), torch_threads=-1)  # torch refuses: it exits at once
+    try:
+        with pytest.raises(RuntimeError, match="executor 0 .* exited before it was ready"):
+            pool.start(timeout=60)
+    finally:
+        pool.close()
+
+
+def test_start_returns_with_every_executor_ready() -> None:
+    pool = ExecutorPool(2, _Listener())
+    try:
+        pool.start(timeout=60)
+        assert all(slot.ready.is_set() and slot.alive for slot in pool._slots)  # noqa: SLF001
+    finally:
+        pool.close()
+
+
+def slow(x: int) -> int:
+    time.sleep(0.05)
+    return x
+
+
+@pytest.mark.slow
+def test_executors_die_when_their_worker_process_is_sigkilled(process_cluster) -> None:
+    process_cluster.start_dispatcher()
+    worker = process_cluster.start_worker(processes=2)
+    pipeline = tds.Pipeline.range(10_000).map(slow).apply(
+        tds.distribute("parallel_epochs", process_cluster.target))
+    elements = iter(pipeline)
+    next(elements)  # the executors are busy in the map
+    descendants = psutil.Process(worker.proc.pid).children(recursive=True)
+    assert len(descendants) == 3, descendants  # the fork server and two executors
+    os.kill(worker.proc.pid, signal.SIGKILL)  # the worker alone, not its process group
+    worker.proc.wait(timeout=10)
+
+    def all_gone() -> bool:
+        return not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                       for p in descendants)
+
+    wait_until(all_gone, 30, "the fork server and executors to exit", interval_s=0.1)
+    del elements
+
+
+MAIN_SCRIPT = """
+    import os
+    import torch_dataservice as tds
+
+    # No `if __name__ == "__main__"` guard: executors must not run this file again.
+    print("top level ran in", os.getpid(), flush=True)
+    OFFSET = 100
+
+    def shifted(x):
+        return x + OFFSET
+
+    dispatcher = tds.DispatchServer()
+    worker = tds.WorkerServer(tds.WorkerConfig(dispatcher.address, num_processes=2))
+    pipeline = tds.Pipeline.range(6).map(shifted).map(lambda x: (x, os.getppid()))
+    got = sorted(pipeline.apply(tds.distribute("parallel_epochs", dispatcher.target)))
+    assert {ppid for _, ppid in got} != {os.getpid()}, got  # forked by the fork server
+    print("got", [x for x, _ in got], flush=True)
+    worker.stop()
+    dispatcher.stop()
+"""
+
+
+def test_main_module_functions_run_in_forked_executors(tmp_path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(MAIN_SCRIPT))
+    env = subprocess_env()
+    env.pop(launch.START_ENV, None)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            env=env, cwd=str(tmp_path), timeout=100)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert len([line for line in lines if line.startswith("top level ran")]) == 1, lines
+    assert lines[-1] == "got [100, 101, 102, 103, 104, 105]", lines

@@ -1,0 +1,442 @@
+"""How executor processes start: forked from a preloaded fork server, or as fresh interpreters.
+
+A fresh interpreter importing torch takes seconds (tens of seconds when several start at once on
+a busy host) and holds ~150 MB of its own. So each front process keeps one fork server: a
+`python -c` interpreter that imports torch, numpy and this package once, then forks an executor
+per request. A fork costs milliseconds, and the imported code and data stay pages shared with
+the fork server (copy-on-write). Like the fresh interpreters before it, the fork server never
+re-imports the user's `__main__` (a script without an `if __name__ == "__main__"` guard still
+works) and never inherits gRPC's threads (it is exec'd, not forked, from the front).
+
+Why not `multiprocessing.get_context("forkserver")`: its children re-run the user's `__main__`
+(as `__mp_main__`, like "spawn"), so an unguarded training script would start its servers again
+in every executor; its fork server is one per process, shared with the user's own
+multiprocessing, so our preload list could come after it started; and it has no way to hand over
+the executor's socket and standard streams as they are when each executor starts.
+
+Each executor is handed, like a subprocess, the front's current `sys.path`, working directory,
+environment and stdout/stderr. What is read only when a process starts or imports (MALLOC_*,
+OMP_NUM_THREADS at torch's import) comes from the environment the fork server started with: the
+front's at its first worker. Executors draw fresh numpy random numbers (a fork would otherwise
+copy the fork server's global generator into every executor; Python's `random` reseeds itself).
+The fork server stays for the front's next worker; it exits when the front does.
+
+`TORCH_DATASERVICE_EXECUTOR_START=interpreter` starts fresh interpreters instead (also the
+fallback where fork or pidfds are missing): the way to tell whether a problem comes from forking.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+START_ENV = "TORCH_DATASERVICE_EXECUTOR_START"
+FORKSERVER, INTERPRETER = "forkserver", "interpreter"
+# What the fork server imports before its first fork (missing optional ones are skipped).
+PRELOAD = ("numpy", "numpy.random", "torch", "torch_dataservice.worker.executor_process")
+# The fork server's first answer waits for its imports: seconds, minutes on an overloaded host.
+FORK_TIMEOUT_S = 300.0
+# After the front is gone, executors (who see their connection close) get this long to exit.
+ORPHAN_GRACE_S = 10.0
+
+_HEADER = struct.Struct("!I")  # request length, sent with the request's file descriptors
+_REPLY = struct.Struct("!i")  # the executor's pid (0: the fork failed), sent with its pidfd
+
+_INTERPRETER_BOOT = (
+    "import sys\n"
+    # The parent's import path (as multiprocessing's spawn does): its modules import here too.
+    "sys.path[:0] = sys.argv[3:]\n"
+    "from multiprocessing.connection import Connection\n"
+    "from torch_dataservice.worker.executor_process import executor_main\n"
+    "executor_main(Connection(int(sys.argv[1])), torch_threads=int(sys.argv[2]) or None)\n"
+    # Skip interpreter teardown: with torch loaded it takes seconds, and a worker waits for it.
+    "sys.stdout.flush(); sys.stderr.flush()\n"
+    "import os; os._exit(0)\n"
+)
+
+_FORK_SERVER_BOOT = (
+    "import sys\n"
+    "sys.path[:0] = sys.argv[2:]\n"
+    "from torch_dataservice.worker.launch import serve\n"
+    "serve(int(sys.argv[1]))\n"
+)
+
+
+class ExecutorProcess(Protocol):
+    """What the front needs of an executor process, however it started."""
+
+    pid: int
+
+    def wait(self, timeout: float) -> bool:
+        """True once the process exited (False: still running after `timeout`)."""
+        ...
+
+    def kill(self) -> None: ...
+
+
+def start_method() -> str:
+    """FORKSERVER unless the environment asks for fresh interpreters or the OS lacks pidfds."""
+    wanted = os.environ.get(START_ENV, FORKSERVER).strip().lower() or FORKSERVER
+    if wanted not in (FORKSERVER, INTERPRETER):
+        raise ValueError(f"{START_ENV} must be {FORKSERVER!r} or {INTERPRETER!r}, got {wanted!r}")
+    if wanted == FORKSERVER and not (hasattr(os, "fork") and hasattr(os, "pidfd_open")):
+        return INTERPRETER
+    return wanted
+
+
+def start_executor(conn_fd: int, torch_threads: int | None) -> ExecutorProcess:
+    """Start an executor process serving the connection `conn_fd` (the caller closes it)."""
+    if start_method() == INTERPRETER:
+        return InterpreterProcess(conn_fd, torch_threads)
+    return shared_fork_server().fork(conn_fd, torch_threads)
+
+
+# ====================================================================== fresh interpreters
+class InterpreterProcess:
+    """An executor as a fresh interpreter (`python -c`): the start method before the fork
+    server, kept as the fallback."""
+
+    def __init__(self, conn_fd: int, torch_threads: int | None) -> None:
+        self._popen = subprocess.Popen(
+            [sys.executable, "-c", _INTERPRETER_BOOT, str(conn_fd), str(torch_threads or 0),
+             *sys.path],
+            pass_fds=(conn_fd,), stdin=subprocess.DEVNULL)
+        self.pid = self._popen.pid
+
+    def wait(self, timeout: float) -> bool:
+        try:
+            self._popen.wait(timeout=timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+    def kill(self) -> None:
+        self._popen.kill()
+
+
+# ====================================================================== the fork server
+@dataclass
+class _Request:
+    """Sent with each fork: what a subprocess would inherit from the front at that moment."""
+
+    torch_threads: int | None
+    sys_path: list[str]
+    cwd: str
+    environ: dict[str, str]
+
+
+class ForkedProcess:
+    """An executor forked by the fork server: not our child, so it is watched and signalled
+    through its pidfd (which, unlike a pid, can never name a later process)."""
+
+    def __init__(self, pid: int, pidfd: int) -> None:
+        self.pid = pid
+        self._pidfd = pidfd
+        self._lock = threading.Lock()
+
+    def wait(self, timeout: float) -> bool:
+        with self._lock:
+            if self._pidfd < 0:
+                return True
+            poller = select.poll()  # not select(): a busy front's fds may pass 1023
+            poller.register(self._pidfd, select.POLLIN)
+            if not poller.poll(int(timeout * 1000)):
+                return False
+            os.close(self._pidfd)  # it exited: the pidfd is of no more use
+            self._pidfd = -1
+            return True
+
+    def kill(self) -> None:
+        with self._lock:
+            if self._pidfd >= 0:
+                try:
+                    signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def __del__(self) -> None:
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+
+
+class ForkServer:
+    """The front's side of the fork server: boots it, asks it for executors (one at a time)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._popen: subprocess.Popen | None = None
+        self._sock: socket.socket | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The fork server's pid (None before the first executor)."""
+        return None if self._popen is None else self._popen.pid
+
+    def _boot(self) -> None:
+        self._discard()
+        ours, theirs = socket.socketpair()
+        with theirs:
+            self._popen = subprocess.Popen(
+                [sys.executable, "-c", _FORK_SERVER_BOOT, str(theirs.fileno()), *sys.path],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        self._sock = ours
+
+    def _discard(self) -> None:
+        """Drop the fork server (dead, or out of step after a timeout): a new one boots."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._popen is not None:
+            if self._popen.poll() is None:
+                self._popen.kill()
+            self._popen.wait()
+            self._popen = None
+
+    def forget_in_child(self) -> None:
+        """After os.fork() of the front: the child must not share the parent's fork server
+        (nor keep it alive after the parent is gone by holding its socket)."""
+        self._lock = threading.Lock()
+        if self._sock is not None:
+            self._sock.close()
+        self._sock = self._popen = None
+
+    def fork(self, conn_fd: int, torch_threads: int | None,
+             timeout: float = FORK_TIMEOUT_S) -> ForkedProcess:
+        try:
+            cwd = os.getcwd()
+        except OSError:  # removed since: the executor stays where the fork server is
+            cwd = ""
+        request = pickle.dumps(_Request(torch_threads, list(sys.path), cwd, dict(os.environ)))
+        with self._lock:
+            for attempt in range(2):  # a second time with a new fork server if it died
+                if self._popen is None or self._popen.poll() is not None:
+                    self._boot()
+                assert self._sock is not None and self._popen is not None
+                try:
+                    return self._ask(request, conn_fd, timeout)
+                except (BrokenPipeError, ConnectionResetError, EOFError):
+                    if attempt:
+                        pid = self._popen.pid
+                        try:
+                            code: int | None = self._popen.wait(timeout=5)
+                        except subprocess.TimeoutExpired:
+                            code = None
+                        self._discard()
+                        raise RuntimeError(
+                            f"the executor fork server (pid {pid}) exited with code {code} "
+                            "before it forked an executor: its stderr says why") from None
+                except TimeoutError:
+                    pid = self._popen.pid
+                    self._discard()
+                    raise TimeoutError(
+                        f"the executor fork server (pid {pid}) forked no executor within "
+                        f"{timeout:.0f}s (it imports {', '.join(PRELOAD)} once, then forks)"
+                    ) from None
+                self._discard()
+        raise AssertionError("unreachable")
+
+    def _ask(self, request: bytes, conn_fd: int, timeout: float) -> ForkedProcess:
+        assert self._sock is not None
+        self._sock.settimeout(timeout)
+        # The executor's connection and this moment's stdout/stderr (pytest may capture them;
+        # a closed one is replaced by /dev/null).
+        streams = [fd if _is_open(fd) else os.open(os.devnull, os.O_WRONLY) for fd in (1, 2)]
+        try:
+            socket.send_fds(self._sock, [_HEADER.pack(len(request))], [conn_fd, *streams])
+        finally:
+            for fd in streams:
+                if fd > 2:
+                    os.close(fd)
+        self._sock.sendall(request)
+        data, fds, _, _ = socket.recv_fds(self._sock, _REPLY.size, 1)
+        if len(data) < _REPLY.size:
+            for fd in fds:
+                os.close(fd)
+            raise EOFError("the executor fork server closed its socket")
+        (pid,) = _REPLY.unpack(data)
+        if pid <= 0 or not fds:
+            for fd in fds:
+                os.close(fd)
+            raise OSError(f"the executor fork server could not fork (errno {-pid})")
+        return ForkedProcess(pid, fds[0])
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+_shared: ForkServer | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_fork_server() -> ForkServer:
+    """This process's fork server (one for all its workers: the imports are paid once)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = ForkServer()
+        return _shared
+
+
+def _after_fork_in_child() -> None:
+    global _shared_lock
+    _shared_lock = threading.Lock()
+    if _shared is not None:
+        _shared.forget_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# ---------------------------------------------------------------------- inside the fork server
+def serve(control_fd: int) -> None:
+    """The fork server's loop: preload, then fork an executor per request until the front's
+    socket closes; then give the executors `ORPHAN_GRACE_S` to exit and kill the rest."""
+    # Ctrl-C reaches the whole process group: the front decides when the fork server ends.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for module in PRELOAD:
+        try:
+            __import__(module)
+        except ImportError:
+            if module == PRELOAD[-1]:
+                raise
+    control = socket.socket(fileno=control_fd)
+    children: set[int] = set()
+    while True:
+        if not select.select([control], [], [], 1.0 if children else None)[0]:
+            _reap(children)
+            continue
+        _reap(children)
+        try:
+            request, fds = _receive(control)
+        except (OSError, EOFError):
+            break
+        if request is None:
+            break
+        conn_fd, stdout_fd, stderr_fd = fds
+        try:
+            pid = os.fork()
+        except OSError as error:
+            for fd in fds:
+                os.close(fd)
+            control.sendall(_REPLY.pack(-(error.errno or 1)))
+            continue
+        if pid == 0:
+            _run_executor(control, conn_fd, stdout_fd, stderr_fd, request)
+        for fd in fds:
+            os.close(fd)
+        children.add(pid)
+        pidfd = os.pidfd_open(pid)  # not reaped yet: this loop reaps, and only after this
+        try:
+            socket.send_fds(control, [_REPLY.pack(pid)], [pidfd])
+        except OSError:
+            break
+        finally:
+            os.close(pidfd)
+    control.close()
+    _end(children)
+
+
+def _receive(control: socket.socket) -> tuple[_Request | None, list[int]]:
+    data, fds, _, _ = socket.recv_fds(control, _HEADER.size, 3)
+    if not data:
+        return None, fds
+    while len(data) < _HEADER.size:
+        more = control.recv(_HEADER.size - len(data))
+        if not more:
+            raise EOFError
+        data += more
+    (size,) = _HEADER.unpack(data)
+    body = bytearray()
+    while len(body) < size:
+        more = control.recv(size - len(body))
+        if not more:
+            raise EOFError
+        body += more
+    if len(fds) != 3:
+        raise OSError(f"a fork request came with {len(fds)} file descriptors, not 3")
+    return pickle.loads(body), fds
+
+
+def _reap(children: set[int]) -> None:
+    while children:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            children.clear()
+            return
+        if pid == 0:
+            return
+        children.discard(pid)
+
+
+def _end(children: set[int]) -> None:
+    """The front is gone: its executors see their connections close and exit; kill any that
+    have not after the grace period (a pipeline stuck in C code)."""
+    deadline = time.monotonic() + ORPHAN_GRACE_S
+    while children and time.monotonic() < deadline:
+        time.sleep(0.05)
+        _reap(children)
+    for pid in children:
+        try:
+            os.kill(pid, signal.SIGKILL)  # still our unreaped child: the pid is its own
+        except ProcessLookupError:
+            pass
+    while children:
+        time.sleep(0.01)
+        _reap(children)
+
+
+def _run_executor(control: socket.socket, conn_fd: int, stdout_fd: int, stderr_fd: int,
+                  request: _Request) -> None:
+    """In the forked child: become what a fresh executor interpreter would be, run the
+    executor loop, and exit without the interpreter's teardown (seconds with torch loaded)."""
+    code = 1
+    try:
+        control.close()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.dup2(stdout_fd, 1)
+        os.dup2(stderr_fd, 2)
+        os.close(stdout_fd)
+        os.close(stderr_fd)
+        sys.path[:] = request.sys_path
+        os.environ.clear()
+        os.environ.update(request.environ)
+        try:
+            os.chdir(request.cwd)
+        except OSError:
+            pass
+        numpy_random = sys.modules.get("numpy.random")
+        if numpy_random is not None:
+            numpy_random.seed()  # from the OS's entropy, as a fresh interpreter's would be
+        from multiprocessing.connection import Connection
+
+        from torch_dataservice.worker.executor_process import executor_main
+
+        executor_main(Connection(conn_fd), torch_threads=request.torch_threads)
+        code = 0
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
