@@ -17,9 +17,9 @@ from tests.fault.helpers import Consumer, received, tally_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
-N = 40_000
+N = 24_000
 ZOMBIE_N = 200_000  # unthrottled: fetches are in flight when the worker freezes
-RATE = 2_000.0  # elements/s per consumer: the epoch lasts ~10 s, the faults land inside it
+RATE = 2_000.0  # elements/s per consumer: the epoch lasts ~6 s, the faults land inside it
 
 
 def test_a_zombie_worker_delivers_nothing_twice(process_cluster: ProcessCluster,

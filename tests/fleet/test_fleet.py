@@ -81,11 +81,11 @@ def service(fleet: Fleet) -> Service:
 def read(fleet: Fleet, service: Service, n: int, out: Path, epochs: int = 1,
          rate: float = 0.0) -> HostProcess:
     """tests/fleet/client.py on host D: `epochs` DYNAMIC epochs of range(n), epoch e's
-    elements in `out`.e."""
+    elements in `out`.e. A dropped data port is given up after 1 s (default 5 s)."""
     return fleet["d"].spawn(
         argv=[sys.executable, "-m", "tests.fleet.client", service.target, str(n), str(epochs),
               str(out), str(rate)],
-        env=fleet.env(TORCH_DATASERVICE_TOKEN=TOKEN))
+        env=fleet.env(TORCH_DATASERVICE_TOKEN=TOKEN, TORCH_DATASERVICE_DATA_PORT_TIMEOUT_S="1"))
 
 
 @pytest.mark.timeout(150)

@@ -18,6 +18,7 @@ handshake is an `ssl.SSLError`, an OSError: unreachable, as for gRPC. Unix socke
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from typing import Any
@@ -38,7 +39,24 @@ from torch_dataservice.wire.data_port import (
     VERSION,
 )
 
+# How long a connect to a data port may take before the reader counts the port unreachable
+# (behind a firewall that drops packets it is the wait before the gRPC fallback).
+CONNECT_TIMEOUT_ENV = "TORCH_DATASERVICE_DATA_PORT_TIMEOUT_S"
 CONNECT_TIMEOUT_S = 5.0
+
+
+def connect_timeout_s() -> float:
+    """CONNECT_TIMEOUT_S, or the seconds (> 0) in $TORCH_DATASERVICE_DATA_PORT_TIMEOUT_S."""
+    raw = os.environ.get(CONNECT_TIMEOUT_ENV)
+    if raw is None:
+        return CONNECT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise ValueError(f"{CONNECT_TIMEOUT_ENV} must be a number of seconds > 0, got {raw!r}")
+    return value
 # The worker long-polls for 0.5 s before an empty reply: a reply this late means it hangs.
 RECV_TIMEOUT_S = 30.0
 # Payloads from this size on get a buffer of their own; smaller ones are copied out as bytes.
@@ -63,7 +81,7 @@ class Connection:
         if target[0] == "unix":
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                sock.settimeout(CONNECT_TIMEOUT_S)
+                sock.settimeout(connect_timeout_s())
                 sock.connect(target[1])
             except BaseException:
                 sock.close()
@@ -152,7 +170,7 @@ class Connection:
 
 def _connect_tcp(host: str, port: int) -> socket.socket:
     """A TCP connection to a data port, over TLS when this process's clients use it."""
-    sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
+    sock = socket.create_connection((host, port), timeout=connect_timeout_s())
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         tls = auth.client_tls()
