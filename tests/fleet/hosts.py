@@ -43,6 +43,20 @@ from tests.conftest import REPO, ServerProcess, subprocess_env
 PREFIX = "tdsf"
 SUBNET = "198.51.100"
 SHARED_ROOT = Path("/var/tmp")  # not /tmp: each host mounts its own there
+
+
+def _kept_under_tmp() -> list[str]:
+    """The directories under /tmp that the hosts' processes need (this checkout, the
+    virtualenv, PYTHONPATH entries), relative to /tmp, outermost only."""
+    tmp = Path("/tmp").resolve()
+    wanted = [REPO, Path(sys.prefix), Path(os.path.realpath(sys.executable)).parent,
+              *(Path(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    kept: list[Path] = []
+    for path in sorted({p.resolve() for p in wanted}, key=lambda p: len(p.parts)):
+        if path.is_relative_to(tmp) and path != tmp and path.exists() and not any(
+                path.is_relative_to(k) for k in kept):
+            kept.append(path)
+    return [str(p.relative_to(tmp)) for p in kept]
 NAME_RE = re.compile(rf"^{PREFIX}(\d+)n(\d+)-")
 COMMAND_TIMEOUT_S = 15.0
 _runs = count()
@@ -172,12 +186,22 @@ class Host:
                      # advertise is the address of the route's interface); it leads nowhere.
                      ["route", "add", "default", "dev", "eth0"]):
             _run("ip", "-n", self.netns, *args)
-        script = ('hostname "$1" && mount -t tmpfs -o mode=1777,size=2g tdsfleet /tmp && '
+        # The host's own /tmp hides the machine's, but a checkout or virtualenv that lives
+        # under /tmp (a CI clone) must stay visible: the machine's /tmp is held at $3 and
+        # those directories are bound back into the new /tmp.
+        hold = self.fleet.shared / f".tmp-{self.name}"
+        hold.mkdir()
+        script = ('hostname "$1" && mount --bind /tmp "$3" && '
+                  'mount -t tmpfs -o mode=1777,size=2g tdsfleet /tmp && '
+                  'shift 3 && for p in "$@"; do mkdir -p "/tmp/$p" && '
+                  'mount --bind "$hold/$p" "/tmp/$p" || exit 1; done && umount -l "$hold" && '
                   'mount -t tmpfs -o mode=1777,size=2g tdsfleet /dev/shm && '
-                  'mount --bind "$2" /etc/hosts && echo ready && exec sleep infinity')
+                  'mount --bind "$hosts" /etc/hosts && echo ready && exec sleep infinity')
+        script = f'hosts="$2"; hold="$3"; {script}'
         self._anchor = subprocess.Popen(
             ["ip", "netns", "exec", self.netns, "unshare", "--uts", "--mount", "sh", "-c",
-             script, "anchor", self.hostname, str(self.fleet.shared / "hosts")],
+             script, "anchor", self.hostname, str(self.fleet.shared / "hosts"), str(hold),
+             *_kept_under_tmp()],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
             start_new_session=True)
         assert self._anchor.stdout is not None

@@ -174,6 +174,8 @@ class ExecutorPool:
             self._start_slot(index)
         with self._lock:
             slots = list(self._slots)
+        if not self._use_processes:
+            return  # an executor thread runs in this process: nothing to import or fork
         deadline = time.monotonic() + timeout
         for slot in slots:
             if not slot.ready.wait(max(0.0, deadline - time.monotonic())):
