@@ -7,6 +7,7 @@ incomplete round of each task), with equal batch counts per rank."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 import torch_dataservice as tds
@@ -41,6 +43,21 @@ def records(directory: Path, ranks: int) -> list[list[dict]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+def kill_job(job: subprocess.Popen) -> None:
+    """SIGKILL torchrun and every rank: torchrun starts each rank in a session of its own, so
+    killing its process group alone would leave the ranks running."""
+    try:
+        ranks = psutil.Process(job.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        ranks = []
+    os.killpg(job.pid, signal.SIGKILL)
+    for rank in ranks:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            rank.kill()
+    job.wait(timeout=10)
+    psutil.wait_procs(ranks, timeout=10)
+
+
 def test_a_killed_two_rank_run_resumes_on_three_ranks(cluster_factory, tmp_path: Path) -> None:
     work_dir = str(tmp_path / "work")
     cluster = cluster_factory(1, fault_tolerant_mode=True, work_dir=work_dir)
@@ -50,8 +67,7 @@ def test_a_killed_two_rank_run_resumes_on_three_ranks(cluster_factory, tmp_path:
                    or first.poll() is not None, 60, "the first run to save and go on")
         assert first.poll() is None, first.communicate()[0][-4000:]
     finally:
-        os.killpg(first.pid, signal.SIGKILL)  # the whole job, as a preemption does
-        first.wait()
+        kill_job(first)  # the whole job, as a preemption does
     before = records(tmp_path, 2)
     for rank in range(2):
         (tmp_path / f"rank{rank}.jsonl").rename(tmp_path / f"killed{rank}.jsonl")
@@ -64,7 +80,7 @@ def test_a_killed_two_rank_run_resumes_on_three_ranks(cluster_factory, tmp_path:
     try:
         output = second.communicate(timeout=90)[0]
     except subprocess.TimeoutExpired:
-        os.killpg(second.pid, signal.SIGKILL)
+        kill_job(second)
         pytest.fail(f"the resumed run hung: {second.communicate()[0][-4000:]}")
     assert second.returncode == 0, output[-4000:]
     after = records(tmp_path, 3)
