@@ -40,10 +40,13 @@ def test_a_worker_killed_mid_epoch_loses_and_repeats_nothing(
         process_cluster: ProcessCluster, tmp_path: Path) -> None:
     dispatcher = process_cluster.start_dispatcher("--worker-timeout-ms", "1000")
     workers = [process_cluster.start_worker() for _ in range(3)]
-    consumer = Consumer(process_cluster, N, tmp_path / "out.txt", "worker-death")
+    # Read slower than the workers make elements: each one's buffer fills and its executor
+    # waits in the middle of a split, so the killed worker surely holds one. (Unthrottled, on
+    # a loaded machine, it was once killed between two splits, with nothing to requeue.)
+    consumer = Consumer(process_cluster, N, tmp_path / "out.txt", "worker-death", max_rate=8000)
     assert consumer.wait_received(N // 4, 60), consumer.output()
     workers[0].kill()  # not restarted: declared dead after 1 s, its splits handed again
     result = consumer.wait(60)
     assert result.done and result.missing == 0 and result.duplicated == 0, (
         f"{result}\n{consumer.output()}\n{dispatcher.output[-3000:]}")
-    assert "requeued" in dispatcher.output
+    assert "requeued" in dispatcher.output, dispatcher.output
