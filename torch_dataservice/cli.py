@@ -273,8 +273,11 @@ def _run_dispatcher(args: argparse.Namespace, signals: _Signals) -> int:
 
 
 def _run_worker(args: argparse.Namespace, signals: _Signals) -> int:
+    from torch_dataservice.worker import launch
     from torch_dataservice.worker.server import WorkerServer
 
+    if args.processes != 0:  # now, before gRPC runs: the executors' imports are done here
+        launch.start_fork_server_here()
     if args.dispatcher:
         address = dispatcher_address(args.dispatcher)
     else:

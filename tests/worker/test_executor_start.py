@@ -1,6 +1,7 @@
-"""Executor processes are forked from the preloaded fork server (worker/launch.py): not fresh
-interpreters that import torch again; they still behave as fresh ones did (torch threads,
-distinct numpy random numbers, the user's `__main__` left alone) and die with their worker."""
+"""Executor processes are forked from the preloaded fork server (worker/launch.py; a CLI
+worker forks it from itself): not fresh interpreters that import torch again; they still behave
+as fresh ones did (torch threads, distinct numpy random numbers, the user's `__main__` left
+alone) and die with their worker."""
 
 from __future__ import annotations
 
@@ -138,6 +139,11 @@ def test_executors_die_when_their_worker_process_is_sigkilled(process_cluster) -
     next(elements)  # the executors are busy in the map
     descendants = psutil.Process(worker.proc.pid).children(recursive=True)
     assert len(descendants) == 3, descendants  # the fork server and two executors
+    # The CLI worker forked its fork server from itself before gRPC ran (one torch import, not
+    # two): the fork server has libtorch where the worker has it (ASLR places an import of
+    # its own elsewhere).
+    (fork_server,) = psutil.Process(worker.proc.pid).children()
+    assert _torch_mapping(fork_server.pid) == _torch_mapping(worker.proc.pid) is not None
     os.kill(worker.proc.pid, signal.SIGKILL)  # the worker alone, not its process group
     worker.proc.wait(timeout=10)
 

@@ -21,22 +21,32 @@ front's at its first worker. Executors draw fresh numpy random numbers (a fork w
 copy the fork server's global generator into every executor; Python's `random` reseeds itself).
 The fork server stays for the front's next worker; it exits when the front does.
 
+A process that has imported all of that and started no gRPC server or channel yet (the
+`torch-dataservice worker` command, before it builds its server) starts its fork server as a
+fork of itself instead (`start_fork_server_here`): a worker then imports torch once, not twice.
+That fork is safe only before gRPC runs: once gRPC has threads, its own fork handlers restart
+them in the child (seen: the child aborts in gRPC's poller), so a fork server started any later
+is exec'd as above.
+
 `TORCH_DATASERVICE_EXECUTOR_START=interpreter` starts fresh interpreters instead (also the
 fallback where fork or pidfds are missing): the way to tell whether a problem comes from forking.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import select
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -92,6 +102,13 @@ def start_method() -> str:
     if wanted == FORKSERVER and not (hasattr(os, "fork") and hasattr(os, "pidfd_open")):
         return INTERPRETER
     return wanted
+
+
+def start_fork_server_here() -> None:
+    """Fork this process's fork server from this process, now (module docstring): call only
+    before this process starts any gRPC server or channel."""
+    if start_method() == FORKSERVER:
+        shared_fork_server().boot_here()
 
 
 def start_executor(conn_fd: int, torch_threads: int | None) -> ExecutorProcess:
@@ -169,12 +186,89 @@ class ForkedProcess:
             os.close(self._pidfd)
 
 
+class ForkedServerProcess:
+    """A fork server forked from this process (`start_fork_server_here`), watched as the
+    subprocess.Popen of an exec'd one is."""
+
+    def __init__(self, control: socket.socket, peer: socket.socket) -> None:
+        for module in PRELOAD:  # imported here, before the fork: the child imports nothing
+            try:
+                __import__(module)
+            except ImportError:
+                if module == PRELOAD[-1]:
+                    raise
+        self.returncode: int | None = None
+        self.pid = os.fork()
+        if self.pid == 0:
+            code = 1
+            try:
+                _leave_the_parent(control.fileno(), peer.fileno())
+                serve(control.fileno())
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by someone else's waitpid(-1)
+                self.returncode = -1
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"fork server {self.pid}", timeout or 0.0)
+            time.sleep(0.005)
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)  # unreaped: the pid is still its own
+            except ProcessLookupError:
+                pass
+
+
+def _leave_the_parent(control_fd: int, peer_fd: int) -> None:
+    """In a fork server just forked from its front: drop what belongs to the front."""
+    for signum in signal.valid_signals():  # the front's Python handlers (a drain on TERM)
+        try:
+            if callable(signal.getsignal(signum)):
+                signal.signal(signum, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
+        if fd in (1, 2, control_fd, null):
+            continue
+        try:
+            mode = os.fstat(fd).st_mode
+        except OSError:
+            continue  # the listing's own descriptor, closed since
+        # The front's end of the control socket must go (else the fork server would never
+        # see it close), and so must any other socket or pipe; /dev/null takes their numbers
+        # so that no later descriptor reuses one a Python object still names.
+        if fd in (0, peer_fd) or not stat.S_ISREG(mode):
+            os.dup2(null, fd)
+    os.close(null)
+    gc.freeze()  # the front's objects: never collected here, their pages stay shared
+
+
 class ForkServer:
     """The front's side of the fork server: boots it, asks it for executors (one at a time)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._popen: subprocess.Popen | None = None
+        self._popen: subprocess.Popen | ForkedServerProcess | None = None
         self._sock: socket.socket | None = None
 
     @property
@@ -190,6 +284,17 @@ class ForkServer:
                 [sys.executable, "-c", _FORK_SERVER_BOOT, str(theirs.fileno()), *sys.path],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         self._sock = ours
+
+    def boot_here(self) -> None:
+        """Start the fork server as a fork of this process (`start_fork_server_here`)."""
+        with self._lock:
+            if self._popen is not None and self._popen.poll() is None:
+                return
+            self._discard()
+            ours, theirs = socket.socketpair()
+            with theirs:
+                self._popen = ForkedServerProcess(theirs, ours)
+            self._sock = ours
 
     def _discard(self) -> None:
         """Drop the fork server (dead, or out of step after a timeout): a new one boots."""
