@@ -188,3 +188,31 @@ def test_main_module_functions_run_in_forked_executors(tmp_path) -> None:
     lines = result.stdout.splitlines()
     assert len([line for line in lines if line.startswith("top level ran")]) == 1, lines
     assert lines[-1] == "got [100, 101, 102, 103, 104, 105]", lines
+
+
+FORK_HERE_SCRIPT = """
+    import os, threading
+    from torch_dataservice.worker import launch
+
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    print("with a thread", launch.start_fork_server_here(), launch.shared_fork_server().pid)
+    stop.set()
+    other.join()
+    print("alone", launch.start_fork_server_here(), launch.shared_fork_server().pid)
+    print("me", os.getpid())
+"""
+
+
+def test_a_fork_server_is_forked_from_its_front_only_while_it_runs_one_thread(tmp_path) -> None:
+    script = tmp_path / "fork_here.py"
+    script.write_text(textwrap.dedent(FORK_HERE_SCRIPT))
+    env = subprocess_env()
+    env.pop(launch.START_ENV, None)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            env=env, timeout=100)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = dict(line.rsplit(" ", 1) for line in result.stdout.splitlines())
+    assert lines["with a thread False"] == "None"  # left to be exec'd when first needed
+    assert lines["alone True"] not in ("None", lines["me"])  # forked: a child of its own

@@ -21,12 +21,12 @@ front's at its first worker. Executors draw fresh numpy random numbers (a fork w
 copy the fork server's global generator into every executor; Python's `random` reseeds itself).
 The fork server stays for the front's next worker; it exits when the front does.
 
-A process that has imported all of that and started no gRPC server or channel yet (the
-`torch-dataservice worker` command, before it builds its server) starts its fork server as a
-fork of itself instead (`start_fork_server_here`): a worker then imports torch once, not twice.
-That fork is safe only before gRPC runs: once gRPC has threads, its own fork handlers restart
-them in the child (seen: the child aborts in gRPC's poller), so a fork server started any later
-is exec'd as above.
+A process that has imported all of that, runs one thread and has started no gRPC server or
+channel yet (the `torch-dataservice worker` command, before it builds its server) starts its
+fork server as a fork of itself instead (`start_fork_server_here`): a worker then imports
+torch once, not twice. That fork is safe only before gRPC runs: once gRPC has threads, its own
+fork handlers restart them in the child (seen: the child aborts in gRPC's poller), so a fork
+server started any later is exec'd as above.
 
 `TORCH_DATASERVICE_EXECUTOR_START=interpreter` starts fresh interpreters instead (also the
 fallback where fork or pidfds are missing): the way to tell whether a problem comes from forking.
@@ -104,11 +104,17 @@ def start_method() -> str:
     return wanted
 
 
-def start_fork_server_here() -> None:
-    """Fork this process's fork server from this process, now (module docstring): call only
-    before this process starts any gRPC server or channel."""
-    if start_method() == FORKSERVER:
-        shared_fork_server().boot_here()
+def start_fork_server_here() -> bool:
+    """Fork this process's fork server from this process, now (module docstring), if it runs
+    no other Python thread: call it before this process starts any gRPC server or channel.
+    Where another thread runs (our servers and clients run threads; so does pytest's timeout)
+    nothing happens and the fork server is exec'd later, as in any other process. True if it
+    forked it."""
+    if (start_method() != FORKSERVER or threading.active_count() > 1
+            or threading.current_thread() is not threading.main_thread()):
+        return False
+    shared_fork_server().boot_here()
+    return True
 
 
 def start_executor(conn_fd: int, torch_threads: int | None) -> ExecutorProcess:
