@@ -6,10 +6,10 @@ count), and then one rank dies on its own. torchrun restarts the group; the rest
 re-create their loaders (which join new jobs, named with the restart count), load the
 checkpoint, finish the epoch and read the next one. From that same checkpoint (the 2-rank run
 happens once per module) 3 ranks resume after a dispatcher restart from its journal, and 1 rank
-resumes. Each time the samples before the save and after the resume make the epoch exactly
-once, minus what `even_batches` drops at the end (coordinated reads: each task's last
-incomplete round, fewer than `ranks` batches of its worker), every rank yields as many batches,
-and the next epoch is a whole one again.
+resumes (a process alone, as one-GPU training starts). Each time the samples before the save
+and after the resume make the epoch exactly once, minus what `even_batches` drops at the end
+(coordinated reads: each task's last incomplete round, fewer than `ranks` batches of its
+worker), every rank yields as many batches, and the next epoch is a whole one again.
 
 The restart is tested on the Pipeline trainer rather than the map-style one
 (test_resume_torchrun.py): its first attempt doubles as the 2-rank run that makes the
@@ -24,7 +24,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ import pytest
 
 import torch_dataservice as tds
 from tests.conftest import HOST, REPO, Cluster, _make_cluster, subprocess_env
+from tests.torch.conftest import launch
 from torch_dataservice.observability.status_text import fetch_status
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -70,13 +70,12 @@ def kill_job(job: subprocess.Popen) -> None:
 
 def run(cluster: Cluster, checkpoint: Path, records: Path, ranks: int, *torchrun_args: str,
         save_at: int = 0, **env_extra: str) -> list[list[dict]]:
-    """Run the trainer under torchrun to its end (it must exit 0); every rank's records."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={ranks}", *torchrun_args, str(SCRIPT),
-               "--service", cluster.target, "--samples", str(SAMPLES),
-               "--split-size", str(SPLIT), "--batch-size", str(BATCH), "--epochs", str(EPOCHS),
-               "--save-at", str(save_at), "--checkpoint", str(checkpoint), "--dir", str(records)]
-    env = subprocess_env(OMP_NUM_THREADS="1", **env_extra)
+    """Run the trainer as `ranks` ranks to its end (it must exit 0); every rank's records."""
+    command, rank_env = launch(ranks, SCRIPT, *torchrun_args)
+    command += ["--service", cluster.target, "--samples", str(SAMPLES),
+                "--split-size", str(SPLIT), "--batch-size", str(BATCH), "--epochs", str(EPOCHS),
+                "--save-at", str(save_at), "--checkpoint", str(checkpoint), "--dir", str(records)]
+    env = subprocess_env(OMP_NUM_THREADS="1", **rank_env, **env_extra)
     env.pop("TORCH_DATASERVICE_ADDRESS", None)
     job = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
