@@ -5,11 +5,13 @@ see each other's batches, and the executor process starts once."""
 from __future__ import annotations
 
 import multiprocessing
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import Cluster, _make_cluster
+from tests.conftest import HOST, Cluster, _make_cluster, free_port
 
 
 @pytest.fixture(scope="package")
@@ -34,3 +36,17 @@ def _torch_workers_not_forked() -> Iterator[None]:
     multiprocessing.set_forkserver_preload(["torch", "numpy", *FIDELITY_MODULES])
     yield
     multiprocessing.set_start_method(previous, force=True)
+
+
+def launch(ranks: int, script: Path, *torchrun_args: str) -> tuple[list[str], dict[str, str]]:
+    """The command (and its environment) that runs `script` as `ranks` ranks: torchrun, or
+    for one rank the script alone with torchrun's variables, as one-GPU training starts (a
+    torchrun agent is one more process importing torch: the torchrun tests pay per process)."""
+    if ranks > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={ranks}", *torchrun_args, str(script)], {}
+    if torchrun_args:
+        raise ValueError(f"torchrun arguments {torchrun_args!r} given for a single rank")
+    return [sys.executable, str(script)], {
+        "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": HOST, "MASTER_PORT": str(free_port())}

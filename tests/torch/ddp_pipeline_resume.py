@@ -1,18 +1,22 @@
 """Run under torchrun by tests/torch/test_torchrun_pipeline.py: training (gradients all-reduced
-as DDP does, without its setup cost) on a DYNAMIC Pipeline.
+as DDP does, without its setup cost) on a DYNAMIC Pipeline, for `--epochs` epochs.
 
-A fresh run trains `--save-at` steps, saves `{"model", "loader": loader.state_dict()}` (a
-collective: every rank saves the same loader state), trains a few steps more (data the
-checkpoint must not count) and waits to be SIGKILLed. A run given `--resume` loads the
-checkpoint (at any world size) and reads the rest of the epoch. Each rank appends one JSON
-line per batch to DIR/rank{R}.jsonl: {"phase": "before"|"after-save"|"resumed", "samples"}.
+Without a checkpoint the run trains `--save-at` steps, saves `{"model", "loader":
+loader.state_dict()}` (a collective: every rank saves the same loader state) and trains on (data
+the checkpoint must not count); in torchrun's first attempt (TORCHELASTIC_RESTART_COUNT 0) its
+last rank then dies on its own after `--die-after` more steps, as a rank killed by the OOM
+killer would, and torchrun (`--max-restarts`) restarts the group. A run that finds the
+checkpoint (the restarted group, or a later run at any world size) loads it and reads the rest
+of that epoch, then the next ones. Each rank appends one JSON line per batch to
+DIR/rank{R}.jsonl, flushed (a rank that dies loses nothing it recorded):
+{"attempt", "epoch", "phase": "before"|"after-save"|"resumed", "samples"}.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
+import os
 from pathlib import Path
 
 import torch
@@ -22,54 +26,63 @@ from torch import nn
 import torch_dataservice as tds
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--service", required=True)
     parser.add_argument("--samples", type=int, required=True)
     parser.add_argument("--split-size", type=int, required=True)
     parser.add_argument("--batch-size", type=int, required=True)
+    parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--save-at", type=int, default=0)
-    parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--dir", type=Path, required=True)
-    args = parser.parse_args()
+    parser.add_argument("--die-after", type=int, default=2)
+    parser.add_argument("--checkpoint", type=Path, required=True)
+    parser.add_argument("--dir", type=Path, required=True, help="where to record the batches")
+    return parser.parse_args()
 
+
+def main() -> None:
+    args = arguments()
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.manual_seed(0)
     model = nn.Linear(1, 1)
-    probe = torch.zeros(1)
-    dist.all_reduce(probe)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     pipeline = tds.Pipeline.range(args.samples).with_split_size(args.split_size)
     loader = tds.DataLoader(pipeline, batch_size=args.batch_size, service=args.service)
-    checkpoint = args.dir / "checkpoint.pt"
-    phase = "before"
-    if args.resume:
+    checkpoint = args.checkpoint
+    phase, start_epoch, save_at = "before", 0, args.save_at
+    if checkpoint.exists():
         saved = torch.load(checkpoint, weights_only=False)
         model.load_state_dict(saved["model"])
-        loader.load_state_dict(saved["loader"])
-        phase = "resumed"
+        loader.load_state_dict(saved["loader"])  # saved at another world size, or the same
+        phase, start_epoch, save_at = "resumed", saved["loader"]["epoch"], 0
+    args.dir.mkdir(parents=True, exist_ok=True)
     record = (args.dir / f"rank{rank}.jsonl").open("a")
     steps = 0
-    for batch in loader:
-        loss = model(batch.float().unsqueeze(1)).pow(2).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        for parameter in model.parameters():  # DDP's all-reduce: every rank takes each step
-            dist.all_reduce(parameter.grad)
-        optimizer.step()
-        record.write(json.dumps({"phase": phase, "samples": batch.tolist()}) + "\n")
-        record.flush()
-        steps += 1
-        if not args.resume and steps == args.save_at:
-            state = {"model": model.state_dict(), "loader": loader.state_dict()}
-            if rank == 0:
-                torch.save(state, args.dir / "checkpoint.tmp")
-                (args.dir / "checkpoint.tmp").rename(checkpoint)
-            phase = "after-save"
-        if not args.resume and steps == args.save_at + 2:
-            (args.dir / f"ready{rank}").touch()
-            time.sleep(600)  # the test kills the whole process group
+    for epoch in range(start_epoch, args.epochs):
+        loader.set_epoch(epoch)  # keeps a loaded position in this same epoch
+        for batch in loader:
+            loss = model(batch.float().unsqueeze(1)).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            for parameter in model.parameters():  # DDP's all-reduce: every rank takes each step
+                dist.all_reduce(parameter.grad)
+            optimizer.step()
+            record.write(json.dumps({"attempt": attempt, "epoch": epoch, "phase": phase,
+                                     "samples": batch.tolist()}) + "\n")
+            record.flush()
+            steps += 1
+            if steps == save_at:
+                state = {"model": model.state_dict(), "loader": loader.state_dict()}
+                if rank == 0:
+                    partial = checkpoint.with_suffix(".partial")
+                    torch.save(state, partial)
+                    partial.rename(checkpoint)
+                phase = "after-save"
+            if save_at and attempt == 0 and rank == world - 1 \
+                    and steps == save_at + args.die_after:
+                os._exit(1)  # dies on its own; torchrun stops the other ranks and restarts
     record.close()
     dist.barrier()
     dist.destroy_process_group()

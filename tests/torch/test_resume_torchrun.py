@@ -3,9 +3,10 @@ trains 2 ranks on a map-style dataset from a service of CLI processes, saves
 `{"model", "loader": loader.state_dict()}` after a few steps while the service has run ahead
 (slow steps, deep prefetch), goes on, and is SIGKILLed as a whole. From that one checkpoint it
 is restarted with 3 ranks (after the dispatcher was killed and restarted from its journal) and
-with 1 rank: each time the samples before the save and after the restart make the epoch exactly
-once but for the documented drop, every rank yields as many batches (and `len(loader)` says
-so), and the next epoch is the one an uninterrupted run at that world size yields.
+with 1 rank (a process alone, as one-GPU training starts): each time the samples before the
+save and after the restart make the epoch exactly once but for the documented drop, every rank
+yields as many batches (and `len(loader)` says so), and the next epoch is the one an
+uninterrupted run at that world size yields.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +24,7 @@ import pytest
 
 from tests.conftest import REPO, ProcessCluster, subprocess_env
 from tests.torch import resume_trainer
+from tests.torch.conftest import launch
 from torch_dataservice.torch import sampling
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -42,14 +43,13 @@ class Saved:
 
 def torchrun(cluster: ProcessCluster, ranks: int, checkpoint: Path, record: Path,
              *extra: str) -> subprocess.Popen[bytes]:
-    """Start the trainer under torchrun; its output goes to RECORD.log (a pipe nobody reads
-    could fill up and block it)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={ranks}", str(Path(resume_trainer.__file__)),
-               "--service", cluster.target, "--samples", str(SAMPLES),
-               "--batch-size", str(BATCH), "--epochs", "2", "--checkpoint", str(checkpoint),
-               "--record", str(record), *extra]
-    env = subprocess_env(OMP_NUM_THREADS="1")
+    """Start the trainer as `ranks` ranks (torchrun, or one process alone); its output goes
+    to RECORD.log (a pipe nobody reads could fill up and block it)."""
+    command, rank_env = launch(ranks, Path(resume_trainer.__file__))
+    command += ["--service", cluster.target, "--samples", str(SAMPLES),
+                "--batch-size", str(BATCH), "--epochs", "2", "--checkpoint", str(checkpoint),
+                "--record", str(record), *extra]
+    env = subprocess_env(OMP_NUM_THREADS="1", **rank_env)
     env.pop("TORCH_DATASERVICE_ADDRESS", None)
     record.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{record}.log", "wb") as log:
