@@ -101,3 +101,22 @@ def test_borrow_copies_when_it_cannot_share() -> None:
     without = codec.decode(shared, borrow=False)
     assert without.data_ptr() != 0 and not (
         shared.ctypes.data <= without.data_ptr() < shared.ctypes.data + shared.nbytes)
+
+
+@pytest.mark.timeout(30)
+def test_borrow_shares_uncompressed_buffers_beside_compressed_ones() -> None:
+    """A batch's tiny labels compress, its random images do not: the images stay a view of the
+    payload (a copy of them per batch was the reader's biggest cost), the labels decompress."""
+    images = torch.from_numpy(np.random.default_rng(0).random((8, 3, 32, 32), dtype=np.float32))
+    labels = torch.zeros(64, dtype=torch.int64)  # compresses
+    payload = np.frombuffer(b"".join(codec.encode((images, labels), "AUTO")),
+                            dtype=np.uint8).copy()
+    segments, _ = codec._read_table(memoryview(payload))
+    assert [flags for _, _, flags in segments[1:]] == [0, codec._FLAG_SNAPPY]
+    got_images, got_labels = codec.decode(payload, borrow=True)
+    base = payload.ctypes.data
+    assert base <= got_images.data_ptr() < base + payload.nbytes  # a view, not a copy
+    assert not base <= got_labels.data_ptr() < base + payload.nbytes  # decompressed
+    assert torch.equal(got_images, images) and torch.equal(got_labels, labels)
+    got_labels += 1  # both writable
+    got_images += 1

@@ -57,6 +57,9 @@ UNREACHABLE_BACKOFF_S = 0.2
 # An in-process worker that does not know a task yet gets it from the dispatcher's push within
 # milliseconds: retry soon, or every epoch's first batch waits a whole backoff.
 UNKNOWN_TASK_BACKOFF_S = 0.02
+# A fetch thread with no task free to read sleeps until a fetch ends or the task table changes
+# (both notify), or a task's backoff is over: this is only a safety net.
+IDLE_WAIT_S = 0.5
 DEFAULT_MAX_OUTSTANDING = 4
 
 
@@ -195,7 +198,7 @@ class IterationReader:
             with self._m.lock:
                 state = self._pick_task()
                 if state is None:
-                    self._m.lock.wait(0.05)
+                    self._m.lock.wait(self._idle_wait_s())
                     self._slots.release()
                     continue
                 state.in_use = True
@@ -209,6 +212,15 @@ class IterationReader:
                 with self._m.lock:
                     state.in_use = False
                 self._settle(batch)
+
+    def _idle_wait_s(self) -> float:
+        """How long a fetch thread that found no task waits (under the lock): until the first
+        backoff ends, at most IDLE_WAIT_S. Polling instead woke every idle thread 20 times a
+        second, and a fetch's end woke all of them (one task: three wake-ups per reply)."""
+        now = time.monotonic()
+        retry = min((state.retry_at for state in self._m.tasks.values()
+                     if not state.ended and state.retry_at > now), default=now + IDLE_WAIT_S)
+        return min(IDLE_WAIT_S, max(retry - now, 0.001))
 
     def _begin(self) -> None:
         with self._m.lock:
@@ -225,7 +237,7 @@ class IterationReader:
                 self._results.put(batch)
             else:
                 self._slots.release()
-            self._m.lock.notify_all()
+            self._m.lock.notify()  # its task is free again: one waiter may take it
 
     def _fetch(self, state: TaskState, round_index: int | None = None) -> Batch | None:
         request = worker_pb2.GetElementsRequest(
@@ -363,6 +375,8 @@ class IterationReader:
         if self._m.closed.is_set():
             return
         self._m.closed.set()
+        with self._m.lock:
+            self._m.lock.notify_all()  # idle fetch threads see the close at once
         self._data_ports.close()
         self._m.release()
 

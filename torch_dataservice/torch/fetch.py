@@ -27,6 +27,7 @@ from torch_dataservice.pipeline.shared_objects import SharedObjectRef
 from torch_dataservice.torch.worker_context import (
     RngStates,
     as_torch_worker,
+    plain_collate,
     round_seed,
     worker_info,
 )
@@ -99,7 +100,7 @@ class FetchBatch:
                 self._init_worker(info, seeds)
             rng = RngStates.seeded(round_seed(seeds.base_seed, seeds.round),
                                    number * seeds.stride + seeds.offset)
-            with as_torch_worker(info, rng):
+            with as_torch_worker(info, rng, keep=False):  # a batch's RNGs end with it
                 return position, self._fetcher().fetch(index)
         except Exception as error:
             return position, BatchError.of(error)
@@ -108,7 +109,7 @@ class FetchBatch:
         fetcher = self.__dict__.get("_made_fetcher")
         if fetcher is None:
             fetcher = self.__dict__["_made_fetcher"] = _MapDatasetFetcher(
-                self.dataset, self.auto_collation, self.collate_fn, False)
+                self.dataset, self.auto_collation, plain_collate(self.collate_fn), False)
         return fetcher
 
     def _init_worker(self, info: Any, seeds: EpochSeeds) -> None:
@@ -123,7 +124,7 @@ class FetchBatch:
             if key in done:
                 return
             done.add(key)
-        with as_torch_worker(info, RngStates.seeded(seeds.base_seed, info.id)):
+        with as_torch_worker(info, RngStates.seeded(seeds.base_seed, info.id), keep=False):
             seeds.worker_init_fn(info.id)
 
 

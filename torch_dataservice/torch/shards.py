@@ -28,6 +28,7 @@ from torch_dataservice.torch.fetch import BatchError, EpochSeeds
 from torch_dataservice.torch.worker_context import (
     RngStates,
     as_torch_worker,
+    plain_collate,
     round_seed,
     worker_info,
 )
@@ -76,8 +77,8 @@ class RunShard:
             try:
                 if seeds.worker_init_fn is not None and info is not None:
                     seeds.worker_init_fn(shard)
-                fetcher = _IterableDatasetFetcher(dataset, self.auto_collation, self.collate_fn,
-                                                  self.drop_last)
+                fetcher = _IterableDatasetFetcher(dataset, self.auto_collation,
+                                                  plain_collate(self.collate_fn), self.drop_last)
             except Exception as error:  # torch: the worker's first result is this error
                 failed: Any = BatchError.of(error)
         if fetcher is None:

@@ -10,6 +10,11 @@ process-wide RNGs and `_worker_info` are set only for the duration of one call, 
 process-wide lock, and put back afterwards: what dataset code draws depends on the seed it was
 given, never on which executor ran it or what ran there before. The lock also makes
 `get_worker_info()` correct for code that bound torch's function before we ran.
+
+This runs once per batch, so it is kept cheap: a seeded state is installed by seeding (not made
+first, saved and restored), torch's CPU generator is seeded directly (`torch.manual_seed` also
+queues a lazy CUDA seed, formatting the whole call stack each time, about half a millisecond),
+and torch's `default_collate` stacks into ordinary memory (`plain_collate`).
 """
 
 from __future__ import annotations
@@ -17,13 +22,14 @@ from __future__ import annotations
 import contextlib
 import random
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data._utils import worker as torch_worker
+from torch.utils.data._utils.collate import default_collate
 
 _lock = threading.RLock()
 _MASK64 = (1 << 64) - 1
@@ -35,13 +41,31 @@ def round_seed(base_seed: int, round_index: int) -> int:
     return (base_seed + round_index * _ROUND_MIX) & _MASK64
 
 
+def _accelerator_initialized() -> bool:
+    """Some accelerator's RNG is live here (then torch.manual_seed seeds it at once)."""
+    return any(getattr(getattr(torch, name, None), "is_initialized", lambda: False)()
+               for name in ("cuda", "xpu"))
+
+
+def seed_torch(seed: int) -> None:
+    """`torch.manual_seed(seed)` for the CPU generator, the one state RngStates keeps; with no
+    accelerator initialized it skips torch's lazy seeding of one (a formatted call stack)."""
+    if _accelerator_initialized():
+        torch.manual_seed(seed)
+    else:
+        torch.default_generator.manual_seed(seed)
+
+
 @dataclass
 class RngStates:
-    """The states of the three RNGs torch's workers seed: `random`, torch's CPU RNG, numpy."""
+    """The states of the three RNGs torch's workers seed: `random`, torch's CPU RNG, numpy;
+    or, until first installed, the seeds that make them (`seeds`: installing seeds is cheaper
+    than making the states and installing those)."""
 
-    python: Any
-    torch_state: torch.Tensor
-    numpy_state: Any
+    python: Any = None
+    torch_state: torch.Tensor | None = None
+    numpy_state: Any = None
+    seeds: tuple[int, Any] | None = None  # (seed of random and torch, numpy's seed)
 
     @classmethod
     def current(cls) -> RngStates:
@@ -50,17 +74,16 @@ class RngStates:
     @classmethod
     def seeded(cls, base_seed: int, worker_id: int) -> RngStates:
         """The states torch's worker `worker_id` starts from, for `base_seed`."""
-        with _lock:
-            saved = cls.current()
-            seed = (base_seed + worker_id) & _MASK64
-            random.seed(seed)
-            torch.manual_seed(seed)
-            np.random.seed(torch_worker._generate_state(base_seed, worker_id))
-            made = cls.current()
-            saved.install()
-        return made
+        return cls(seeds=((base_seed + worker_id) & _MASK64,
+                          torch_worker._generate_state(base_seed, worker_id)))
 
     def install(self) -> None:
+        if self.seeds is not None:
+            seed, numpy_seed = self.seeds
+            random.seed(seed)
+            seed_torch(seed)
+            np.random.seed(numpy_seed)
+            return
         random.setstate(self.python)
         torch.set_rng_state(self.torch_state)
         np.random.set_state(self.numpy_state)
@@ -74,10 +97,11 @@ def worker_info(worker_id: int, num_workers: int, base_seed: int,
 
 
 @contextlib.contextmanager
-def as_torch_worker(info: torch_worker.WorkerInfo | None, rng: RngStates) -> Iterator[None]:
-    """Run the block with `info` as `get_worker_info()` and the RNGs in `rng`; afterwards `rng`
-    holds where the block left them (so a stream can continue) and the process's own states
-    and worker info are back."""
+def as_torch_worker(info: torch_worker.WorkerInfo | None, rng: RngStates,
+                    keep: bool = True) -> Iterator[None]:
+    """Run the block with `info` as `get_worker_info()` and the RNGs in `rng`; afterwards, with
+    `keep`, `rng` holds where the block left them (so a stream can continue), and the
+    process's own states and worker info are back."""
     with _lock:
         saved = RngStates.current()
         saved_info = torch_worker._worker_info
@@ -86,7 +110,32 @@ def as_torch_worker(info: torch_worker.WorkerInfo | None, rng: RngStates) -> Ite
         try:
             yield
         finally:
-            rng.python, rng.torch_state, rng.numpy_state = (
-                random.getstate(), torch.get_rng_state(), np.random.get_state())
+            if keep:
+                rng.python, rng.torch_state, rng.numpy_state = (
+                    random.getstate(), torch.get_rng_state(), np.random.get_state())
+                rng.seeds = None
             torch_worker._worker_info = saved_info
             saved.install()
+
+
+def plain_collate(collate_fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`collate_fn`, except that torch's `default_collate` runs as outside a worker.
+
+    In a worker, `default_collate` stacks into a new shared-memory segment (torch's workers
+    hand the batch to their main process that way): a file, a mapping and a page fault per
+    page for every batch. A service worker encodes the batch into its own buffer anyway, so
+    that segment is pure cost; the values are the same. Any other collate_fn runs as given
+    (it may ask `get_worker_info()`).
+    """
+    if collate_fn is not default_collate:
+        return collate_fn
+
+    def collate(batch: Any) -> Any:
+        saved = torch_worker._worker_info
+        torch_worker._worker_info = None
+        try:
+            return default_collate(batch)
+        finally:
+            torch_worker._worker_info = saved
+
+    return collate

@@ -296,14 +296,42 @@ def _decompress_into(data: memoryview, out: memoryview) -> None:
         raise ValueError(f"corrupt element payload: decompressed {written}, expected {out.nbytes}")
 
 
+def _decode_borrowed(payload: memoryview, segments: list[tuple[int, int, int]],
+                     offset: int) -> Any:
+    """`decode` over a payload given away: every buffer stored as is becomes a view of it
+    (aligned by the layout), and only compressed ones are decompressed, into an arena of their
+    own. A tiny compressed buffer (a batch's labels) beside a big one (its images) thus does
+    not make the big one a copy."""
+    arena_size = sum(raw + _padding(raw) for _, raw, flags in segments[1:]
+                     if flags & _FLAG_SNAPPY)
+    arena = memoryview(np.empty(arena_size, dtype=np.uint8)) if arena_size else None
+    arena_offset = 0
+    views: list[memoryview] = []
+    for index, (stored_len, raw_len, flags) in enumerate(segments):
+        view = payload[offset : offset + stored_len]
+        offset += stored_len + _padding(stored_len)
+        if flags & _FLAG_SNAPPY:
+            if index == 0 or arena is None:
+                target = memoryview(bytearray(raw_len))
+            else:
+                target = arena[arena_offset : arena_offset + raw_len]
+                arena_offset += raw_len + _padding(raw_len)
+            _decompress_into(view, target)
+            view = target
+        elif stored_len != raw_len:
+            raise ValueError(f"corrupt element payload: segment {index} length mismatch")
+        views.append(view)
+    return pickle.loads(views[0], buffers=views[1:])
+
+
 def decode(payload: Any, *, borrow: bool = False) -> Any:
     """Rebuild the element encoded in ``payload``.
 
     Tensors and arrays in the result are writable views of one fresh buffer owned by the
     result, so ``payload`` may be reused or freed afterwards. With ``borrow=True`` the caller
-    gives ``payload``'s memory away (nobody else reads or writes it): if it is writable, 16-byte
-    aligned and not compressed, tensors and arrays become views of it instead of copies, and
-    the result keeps it alive.
+    gives ``payload``'s memory away (nobody else reads or writes it): if it is writable and
+    16-byte aligned, tensors and arrays of buffers stored uncompressed become views of it
+    instead of copies, and the result keeps it alive.
     """
     payload = memoryview(payload).cast("B")
     segments, offset = _read_table(payload)
@@ -313,14 +341,8 @@ def decode(payload: Any, *, borrow: bool = False) -> Any:
         # No buffers to place (tiny elements): unpickle in place, skip the arena.
         return pickle.loads(payload[offset : offset + segments[0][0]])
     if (borrow and not payload.readonly
-            and not any(flags & _FLAG_SNAPPY for _, _, flags in segments)
             and np.frombuffer(payload, dtype=np.uint8).ctypes.data % _ALIGN == 0):
-        # Zero-copy: every buffer is a view of the payload (aligned by the layout).
-        views = []
-        for stored_len, _, _ in segments:
-            views.append(payload[offset : offset + stored_len])
-            offset += stored_len + _padding(stored_len)
-        return pickle.loads(views[0], buffers=views[1:])
+        return _decode_borrowed(payload, segments, offset)
 
     # One arena for all out-of-band buffers, laid out at aligned offsets.
     arena_size = sum(raw + _padding(raw) for _, raw, _ in segments[1:])
