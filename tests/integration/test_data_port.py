@@ -105,11 +105,9 @@ def test_a_worker_killed_mid_read_is_skipped(process_cluster, target_workers: st
         "parallel_epochs", process_cluster.target, compression=None,
         target_workers=target_workers))
     values: list[int] = []
-    start = time.monotonic()
-    for tensor in pipeline:
+    for tensor in pipeline:  # a read that never skips the dead worker fails at the timeout
         values.append(int(tensor[0]))
         if len(values) == 6:
             victim.kill()  # mid-read: its connections break, its socket is left behind
-    assert time.monotonic() - start < 90
     # Each worker makes the whole range (OFF): the survivor's copy is complete.
     assert set(values) == set(range(n)) and len(values) >= n
