@@ -181,3 +181,12 @@ class Delivery:
                 received = self.seen.get((split.split.repetition, split.split.index))
                 if received is not None:
                     received.settle(split.num_elements)
+
+
+def split_tags(header: worker_pb2.ElementBatchHeader) -> list[tuple[int, int, int] | None]:
+    """Each element's (split repetition, split index, offset), None where untagged (none at
+    all when no element is tagged: OFF and static sharding)."""
+    if not any(info.has_split for info in header.elements):
+        return []
+    return [(info.split.repetition, info.split.index, info.offset) if info.has_split else None
+            for info in header.elements]

@@ -22,7 +22,6 @@ import atexit
 import itertools
 import logging
 import queue
-import ssl
 import threading
 import time
 import weakref
@@ -31,11 +30,10 @@ from typing import Any
 
 import grpc
 
-from torch_dataservice import auth
 from torch_dataservice.client import transports
 from torch_dataservice.client.consumed import ConsumedSplits
 from torch_dataservice.client.data_port import DataPortError, DataPortPool
-from torch_dataservice.client.delivery import Batch, Delivery
+from torch_dataservice.client.delivery import Batch, Delivery, split_tags
 from torch_dataservice.client.figures import ReaderFigures
 from torch_dataservice.client.membership import HEARTBEAT_INTERVAL_S, Membership, TaskState
 from torch_dataservice.client.rounds import CoordinatedRounds
@@ -61,29 +59,6 @@ UNKNOWN_TASK_BACKOFF_S = 0.02
 # (both notify), or a task's backoff is over: this is only a safety net.
 IDLE_WAIT_S = 0.5
 DEFAULT_MAX_OUTSTANDING = 4
-
-
-# TLS alerts a worker sends when it refuses this reader's certificate (or its lack of one):
-# a configuration error, not the network.
-REFUSING_TLS_ALERTS = frozenset({
-    "TLSV13_ALERT_CERTIFICATE_REQUIRED", "SSLV3_ALERT_BAD_CERTIFICATE",
-    "SSLV3_ALERT_CERTIFICATE_UNKNOWN", "TLSV1_ALERT_UNKNOWN_CA", "TLSV1_ALERT_ACCESS_DENIED"})
-
-
-def tls_refusal(error: BaseException) -> str | None:
-    """What is wrong when `error` is a TLS failure that no retry mends (None otherwise):
-    the worker's certificate does not verify here, or the worker refused ours. Found across
-    hosts: such readers said "unreachable, retrying" for ever."""
-    if isinstance(error, ssl.SSLCertVerificationError):
-        return (f"its TLS certificate does not verify ({error.verify_message or error}): "
-                f"check that {auth.TLS_CA_ENV} is the CA that signed it and that it names the "
-                "address the worker advertises (or give the worker a --worker-address its "
-                "certificate names)")
-    if isinstance(error, ssl.SSLError) and error.reason in REFUSING_TLS_ALERTS:
-        return (f"it refused this reader's TLS client certificate ({error.reason}): set "
-                f"{auth.TLS_CERT_ENV}/{auth.TLS_KEY_ENV} to a certificate signed by the CA "
-                "the worker trusts (--tls-ca)")
-    return None
 
 
 class IterationReader:
@@ -273,7 +248,7 @@ class IterationReader:
         except (OSError, EOFError) as error:
             if not transport.network:
                 raise  # from an in-process worker: not a connection problem
-            refusal = tls_refusal(error)
+            refusal = transports.tls_refusal(error)
             if refusal is not None:  # retrying (or gRPC: the same check) cannot mend it
                 self._m.fail(ServiceUnavailableError(f"reading from worker {address}: {refusal}"))
                 return None
@@ -391,15 +366,6 @@ class IterationReader:
             self.close()
         except Exception:
             pass
-
-
-def split_tags(header: worker_pb2.ElementBatchHeader) -> list[tuple[int, int, int] | None]:
-    """Each element's (split repetition, split index, offset), None where untagged (none at
-    all when no element is tagged: OFF and static sharding)."""
-    if not any(info.has_split for info in header.elements):
-        return []
-    return [(info.split.repetition, info.split.index, info.offset) if info.has_split else None
-            for info in header.elements]
 
 
 EXIT_JOIN_S = 5.0

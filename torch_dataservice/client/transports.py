@@ -17,13 +17,16 @@ waiting out the same connect timeouts again, with no second warning.
 `target_workers="ANY"` skips the first two and takes the network path, as a remote trainer
 would. Each transport's `fetch` raises what its path raises: grpc.RpcError, LookupError (the
 worker does not know the task yet), OSError/EOFError (a connection problem, `network` paths
-only), DataPortError, WorkerGone (an in-process worker stopped: choose again).
+only), DataPortError, WorkerGone (an in-process worker stopped: choose again). `tls_refusal`
+tells a TLS failure no retry mends (a certificate that does not verify, or one the worker
+refuses) from the network.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import ssl
 import threading
 import time
 from typing import Any, Protocol
@@ -31,12 +34,36 @@ from typing import Any, Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from torch_dataservice import auth
 from torch_dataservice.client.data_port import DataPortPool, WorkerUnavailableError
 from torch_dataservice.proto import common_pb2, worker_pb2
 from torch_dataservice.rpc import WORKER_SERVICE_NAME, channel_to
 from torch_dataservice.wire import frame, inprocess
 
 logger = logging.getLogger(__name__)
+
+# TLS alerts a worker sends when it refuses this reader's certificate (or its lack of one):
+# a configuration error, not the network.
+REFUSING_TLS_ALERTS = frozenset({
+    "TLSV13_ALERT_CERTIFICATE_REQUIRED", "SSLV3_ALERT_BAD_CERTIFICATE",
+    "SSLV3_ALERT_CERTIFICATE_UNKNOWN", "TLSV1_ALERT_UNKNOWN_CA", "TLSV1_ALERT_ACCESS_DENIED"})
+
+
+def tls_refusal(error: BaseException) -> str | None:
+    """What is wrong when `error` is a TLS failure that no retry mends (None otherwise):
+    the worker's certificate does not verify here, or the worker refused ours. Found across
+    hosts: such readers said "unreachable, retrying" for ever."""
+    if isinstance(error, ssl.SSLCertVerificationError):
+        return (f"its TLS certificate does not verify ({error.verify_message or error}): "
+                f"check that {auth.TLS_CA_ENV} is the CA that signed it and that it names the "
+                "address the worker advertises (or give the worker a --worker-address its "
+                "certificate names)")
+    if isinstance(error, ssl.SSLError) and error.reason in REFUSING_TLS_ALERTS:
+        return (f"it refused this reader's TLS client certificate ({error.reason}): set "
+                f"{auth.TLS_CERT_ENV}/{auth.TLS_KEY_ENV} to a certificate signed by the CA "
+                "the worker trusts (--tls-ca)")
+    return None
+
 
 STREAM_TIMEOUT_S = 30
 FALLBACK_AFTER_FAILURES = 3  # data-port failures in a row before gRPC is tried instead
