@@ -265,11 +265,17 @@ class IterationReader:
             self._m.fail(RuntimeError(f"reading from worker {address}: {error}"))
             return None
         state.failures = 0
+        return self._batch_of(state, transport.borrow, header, payloads)
+
+    def _batch_of(self, state: TaskState, borrow: bool, header: worker_pb2.ElementBatchHeader,
+                  payloads: list) -> Batch:
+        """A worker's reply as a Batch to queue (under DYNAMIC exactly-once: only the elements
+        not received before); an empty reply at the end of the sequence ends its task."""
         if self._delivery is not None and payloads:
             batch = self._delivery.keep_new(state.info.task_id, header, payloads)
-            batch.borrow = transport.borrow
+            batch.borrow = borrow
         else:
-            batch = Batch(deque(payloads), borrow=transport.borrow, task_id=state.info.task_id,
+            batch = Batch(deque(payloads), borrow=borrow, task_id=state.info.task_id,
                           split_tags=deque(split_tags(header)))
         batch.nbytes = sum(inprocess.payload_nbytes(p) for p in batch.payloads)
         if header.has_error:
