@@ -191,6 +191,10 @@ def test_iterable_ranks_share_one_coordinated_job(cluster: Cluster,
         thread.join(30)
     assert not any(t.is_alive() for t in threads), "a rank hangs"
     assert len(got[0]) == len(got[1]) == 6  # 13 batches: the incomplete last round is dropped
+    # Both ranks report the one batch dropped (an iterable drops whole batches).
+    for loader in loaders:
+        stats = loader.stats()
+        assert (stats["batches_dropped"], stats["samples_dropped"]) == (1, 0), stats
     samples = [i for part in got for batch in part for i in batch]
     assert len(samples) == len(set(samples))
     # Step s: both ranks hold consecutive batches of the worker's stream.

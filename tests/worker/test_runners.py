@@ -101,9 +101,11 @@ def test_runner_drops_an_incomplete_last_round_for_everyone() -> None:
         for consumer in range(3):
             assert runner.get_round(consumer, round_index, 0.1) == ([base + consumer], False,
                                                                     None)
+    assert runner.dropped_at_end == 0  # not ended yet
     for consumer in range(3):
         assert runner.get_round(consumer, 4, 0.1) == ([], True, None)
         assert runner.get_round(consumer, 6, 0.1) == ([], True, None)
+    assert runner.dropped_at_end == 1  # element 6: the end replies say so (worker/service.py)
 
 
 def test_runner_keeps_a_round_until_every_consumer_took_it() -> None:

@@ -282,6 +282,8 @@ class IterationReader:
             batch.error = RemoteError(header.error.type, header.error.message,
                                       header.error.traceback)
         if header.end_of_sequence and not payloads:
+            if header.dropped_at_end and not state.ended:
+                self._figures.stats.dropped_at_end(header.dropped_at_end)
             state.ended = True
         return batch
 

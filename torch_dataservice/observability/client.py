@@ -52,7 +52,7 @@ class ClientStats:
         self.per_worker: dict[str, list[int]] = {}  # address -> [elements, bytes]
         self.samples_dropped = 0   # even_batches (DataLoader), per epoch
         self.samples_padded = 0
-        self.batches_dropped = 0   # ... with a user's sampler: whole batches
+        self.batches_dropped = 0   # ... with a user's sampler, or an iterable: whole batches
         self.batches_padded = 0
         self._lock = threading.Lock()
         _ProcessMetrics.get().track(self)
@@ -65,6 +65,13 @@ class ClientStats:
             counts = self.per_worker.setdefault(worker, [0, 0])
             counts[0] += elements
             counts[1] += nbytes
+
+    def dropped_at_end(self, batches: int) -> None:
+        """Coordinated reads: a task ended with an incomplete round of `batches` elements that
+        no consumer received (`even_batches` for iterables drops whole batches). Every
+        consumer is told, so every rank reports the same total, as for map-style datasets."""
+        with self._lock:
+            self.batches_dropped += batches
 
     def figures(self) -> tuple[int, float, int, int]:
         return self.batches, self.wait_seconds, self.elements, self.bytes

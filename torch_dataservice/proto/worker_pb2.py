@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from torch_dataservice.proto import common_pb2 as torch__dataservice_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!torch_dataservice/v1/worker.proto\x12\x14torch_dataservice.v1\x1a!torch_dataservice/v1/common.proto\"\xcf\x01\n\x12GetElementsRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\x03\x12\x11\n\tclient_id\x18\x02 \x01(\x03\x12\x14\n\x0cmax_elements\x18\x03 \x01(\x05\x12\x11\n\tmax_bytes\x18\x04 \x01(\x03\x12\x1b\n\x0e\x63onsumer_index\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0bround_index\x18\x06 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\ntrainer_id\x18\x07 \x01(\tB\x11\n\x0f_consumer_indexB\x0e\n\x0c_round_index\"m\n\x0b\x45lementInfo\x12\x0c\n\x04size\x18\x01 \x01(\x03\x12-\n\x05split\x18\x02 \x01(\x0b\x32\x1e.torch_dataservice.v1.SplitKey\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x11\n\thas_split\x18\x04 \x01(\x08\"\xa7\x01\n\x12\x45lementBatchHeader\x12\x33\n\x08\x65lements\x18\x01 \x03(\x0b\x32!.torch_dataservice.v1.ElementInfo\x12\x17\n\x0f\x65nd_of_sequence\x18\x02 \x01(\x08\x12\x30\n\x05\x65rror\x18\x03 \x01(\x0b\x32!.torch_dataservice.v1.RemoteError\x12\x11\n\thas_error\x18\x04 \x01(\x08\"A\n\x12ProcessTaskRequest\x12+\n\x04task\x18\x01 \x01(\x0b\x32\x1d.torch_dataservice.v1.TaskDef\"\x15\n\x13ProcessTaskResponse2\xbe\x02\n\rWorkerService\x12\x61\n\x0bGetElements\x12(.torch_dataservice.v1.GetElementsRequest\x1a(.torch_dataservice.v1.ElementBatchHeader\x12\x66\n\x0eStreamElements\x12(.torch_dataservice.v1.GetElementsRequest\x1a(.torch_dataservice.v1.ElementBatchHeader0\x01\x12\x62\n\x0bProcessTask\x12(.torch_dataservice.v1.ProcessTaskRequest\x1a).torch_dataservice.v1.ProcessTaskResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!torch_dataservice/v1/worker.proto\x12\x14torch_dataservice.v1\x1a!torch_dataservice/v1/common.proto\"\xcf\x01\n\x12GetElementsRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\x03\x12\x11\n\tclient_id\x18\x02 \x01(\x03\x12\x14\n\x0cmax_elements\x18\x03 \x01(\x05\x12\x11\n\tmax_bytes\x18\x04 \x01(\x03\x12\x1b\n\x0e\x63onsumer_index\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0bround_index\x18\x06 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\ntrainer_id\x18\x07 \x01(\tB\x11\n\x0f_consumer_indexB\x0e\n\x0c_round_index\"m\n\x0b\x45lementInfo\x12\x0c\n\x04size\x18\x01 \x01(\x03\x12-\n\x05split\x18\x02 \x01(\x0b\x32\x1e.torch_dataservice.v1.SplitKey\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x11\n\thas_split\x18\x04 \x01(\x08\"\xbf\x01\n\x12\x45lementBatchHeader\x12\x33\n\x08\x65lements\x18\x01 \x03(\x0b\x32!.torch_dataservice.v1.ElementInfo\x12\x17\n\x0f\x65nd_of_sequence\x18\x02 \x01(\x08\x12\x30\n\x05\x65rror\x18\x03 \x01(\x0b\x32!.torch_dataservice.v1.RemoteError\x12\x11\n\thas_error\x18\x04 \x01(\x08\x12\x16\n\x0e\x64ropped_at_end\x18\x05 \x01(\x04\"A\n\x12ProcessTaskRequest\x12+\n\x04task\x18\x01 \x01(\x0b\x32\x1d.torch_dataservice.v1.TaskDef\"\x15\n\x13ProcessTaskResponse2\xbe\x02\n\rWorkerService\x12\x61\n\x0bGetElements\x12(.torch_dataservice.v1.GetElementsRequest\x1a(.torch_dataservice.v1.ElementBatchHeader\x12\x66\n\x0eStreamElements\x12(.torch_dataservice.v1.GetElementsRequest\x1a(.torch_dataservice.v1.ElementBatchHeader0\x01\x12\x62\n\x0bProcessTask\x12(.torch_dataservice.v1.ProcessTaskRequest\x1a).torch_dataservice.v1.ProcessTaskResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,11 +37,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ELEMENTINFO']._serialized_start=304
   _globals['_ELEMENTINFO']._serialized_end=413
   _globals['_ELEMENTBATCHHEADER']._serialized_start=416
-  _globals['_ELEMENTBATCHHEADER']._serialized_end=583
-  _globals['_PROCESSTASKREQUEST']._serialized_start=585
-  _globals['_PROCESSTASKREQUEST']._serialized_end=650
-  _globals['_PROCESSTASKRESPONSE']._serialized_start=652
-  _globals['_PROCESSTASKRESPONSE']._serialized_end=673
-  _globals['_WORKERSERVICE']._serialized_start=676
-  _globals['_WORKERSERVICE']._serialized_end=994
+  _globals['_ELEMENTBATCHHEADER']._serialized_end=607
+  _globals['_PROCESSTASKREQUEST']._serialized_start=609
+  _globals['_PROCESSTASKREQUEST']._serialized_end=674
+  _globals['_PROCESSTASKRESPONSE']._serialized_start=676
+  _globals['_PROCESSTASKRESPONSE']._serialized_end=697
+  _globals['_WORKERSERVICE']._serialized_start=700
+  _globals['_WORKERSERVICE']._serialized_end=1018
 # @@protoc_insertion_point(module_scope)

@@ -38,16 +38,18 @@ class ElementInfo(_message.Message):
     def __init__(self, size: _Optional[int] = ..., split: _Optional[_Union[_common_pb2.SplitKey, _Mapping]] = ..., offset: _Optional[int] = ..., has_split: _Optional[bool] = ...) -> None: ...
 
 class ElementBatchHeader(_message.Message):
-    __slots__ = ("elements", "end_of_sequence", "error", "has_error")
+    __slots__ = ("elements", "end_of_sequence", "error", "has_error", "dropped_at_end")
     ELEMENTS_FIELD_NUMBER: _ClassVar[int]
     END_OF_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     HAS_ERROR_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_AT_END_FIELD_NUMBER: _ClassVar[int]
     elements: _containers.RepeatedCompositeFieldContainer[ElementInfo]
     end_of_sequence: bool
     error: _common_pb2.RemoteError
     has_error: bool
-    def __init__(self, elements: _Optional[_Iterable[_Union[ElementInfo, _Mapping]]] = ..., end_of_sequence: _Optional[bool] = ..., error: _Optional[_Union[_common_pb2.RemoteError, _Mapping]] = ..., has_error: _Optional[bool] = ...) -> None: ...
+    dropped_at_end: int
+    def __init__(self, elements: _Optional[_Iterable[_Union[ElementInfo, _Mapping]]] = ..., end_of_sequence: _Optional[bool] = ..., error: _Optional[_Union[_common_pb2.RemoteError, _Mapping]] = ..., has_error: _Optional[bool] = ..., dropped_at_end: _Optional[int] = ...) -> None: ...
 
 class ProcessTaskRequest(_message.Message):
     __slots__ = ("task",)

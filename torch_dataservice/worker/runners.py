@@ -50,6 +50,11 @@ class TaskRunner(Protocol):
         """The elements for one GetElements request; waits up to `wait_s` for one."""
         ...
 
+    @property
+    def dropped_at_end(self) -> int:
+        """Elements of the task no consumer will receive (an incomplete last round)."""
+        ...
+
 
 def limits(request: worker_pb2.GetElementsRequest) -> tuple[int, int]:
     """(max elements, max bytes) of a request, with the defaults of a request naming none."""
@@ -69,6 +74,8 @@ def make_runner(definition: common_pb2.TaskDef, take: Take, take_encoded: Take,
 
 class FirstComeFirstServedRunner:
     """Whoever asks first gets the buffer's next elements."""
+
+    dropped_at_end = 0
 
     def __init__(self, take: Take) -> None:
         self._take = take
@@ -107,6 +114,7 @@ class RoundRobinRunner:
         self._end_round: int | None = None
         self._error: TaskError | None = None
         self._error_round: int | None = None
+        self.dropped_at_end = 0  # elements of the incomplete last round
 
     def get(self, request: worker_pb2.GetElementsRequest, wait_s: float) -> Taken:
         if not request.HasField("consumer_index") or not request.HasField("round_index"):
@@ -189,12 +197,15 @@ class RoundRobinRunner:
                     # has received the same number of elements.
                     self._end_round = round_index
                     self._last_round = round_index
+                    self.dropped_at_end = len(self._pending)
                     self._pending.clear()
                 self._cond.notify_all()
 
 
 class CachingRunner:
     """A byte-bounded sliding window of one task's elements, shared by trainer ids."""
+
+    dropped_at_end = 0  # an infinite input: no end
 
     def __init__(self, max_bytes: int, take: Take) -> None:
         self._max_bytes = max_bytes

@@ -39,6 +39,8 @@ class WorkerService:
                 self._tasks.fail(request.task_id, failed)
                 end, error = False, failed
         header = worker_pb2.ElementBatchHeader(end_of_sequence=end)
+        if end:
+            header.dropped_at_end = self._tasks.dropped_at_end(request.task_id)
         for element in elements:
             info = header.elements.add(offset=element.offset)
             if element.split is not None:

@@ -276,6 +276,11 @@ class TaskManager:
             return self.get_elements(request.task_id, *limits(request), wait_s)
         return self._runner(task).get(request, wait_s)
 
+    def dropped_at_end(self, task_id: int) -> int:
+        """Elements of the task its runner dropped at the end (coordinated reads)."""
+        task = self.get(task_id)
+        return task.runner.dropped_at_end if task is not None and task.runner else 0
+
     def _runner(self, task: Task) -> TaskRunner:
         with task.cond:
             if task.runner is None:
