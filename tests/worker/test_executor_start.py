@@ -177,15 +177,21 @@ MAIN_SCRIPT = """
 """
 
 
-def test_main_module_functions_run_in_forked_executors(tmp_path) -> None:
-    script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(MAIN_SCRIPT))
+def run_script(tmp_path, name: str, text: str) -> list[str]:
+    """Run `text` as the script `name` in a fresh interpreter (default executor start); its
+    output lines, once it exited 0."""
+    script = tmp_path / name
+    script.write_text(textwrap.dedent(text))
     env = subprocess_env()
     env.pop(launch.START_ENV, None)
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                             env=env, cwd=str(tmp_path), timeout=100)
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = result.stdout.splitlines()
+    return result.stdout.splitlines()
+
+
+def test_main_module_functions_run_in_forked_executors(tmp_path) -> None:
+    lines = run_script(tmp_path, "train.py", MAIN_SCRIPT)
     assert len([line for line in lines if line.startswith("top level ran")]) == 1, lines
     assert lines[-1] == "got [100, 101, 102, 103, 104, 105]", lines
 
@@ -206,13 +212,7 @@ FORK_HERE_SCRIPT = """
 
 
 def test_a_fork_server_is_forked_from_its_front_only_while_it_runs_one_thread(tmp_path) -> None:
-    script = tmp_path / "fork_here.py"
-    script.write_text(textwrap.dedent(FORK_HERE_SCRIPT))
-    env = subprocess_env()
-    env.pop(launch.START_ENV, None)
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                            env=env, timeout=100)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = dict(line.rsplit(" ", 1) for line in result.stdout.splitlines())
+    lines = dict(line.rsplit(" ", 1)
+                 for line in run_script(tmp_path, "fork_here.py", FORK_HERE_SCRIPT))
     assert lines["with a thread False"] == "None"  # left to be exec'd when first needed
     assert lines["alone True"] not in ("None", lines["me"])  # forked: a child of its own
