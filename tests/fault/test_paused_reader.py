@@ -39,6 +39,26 @@ def test_a_paused_dynamic_reader_goes_on_exactly_once(process_cluster: ProcessCl
     assert "joined iteration" in consumer.output()
 
 
+def test_a_reader_paused_past_worker_timeout_says_it_was_taken_for_dead(
+        process_cluster: ProcessCluster, tmp_path: Path) -> None:
+    """Paused longer than worker_timeout_ms (not job_gc_timeout_ms): the dispatcher hands what
+    the reader held unacknowledged to the job's other readers; the reader, alone here, goes on
+    exactly once (it drops what comes again) and says in its log what happened, since with
+    other readers an element may then be delivered twice."""
+    dispatcher = process_cluster.start_dispatcher("--worker-timeout-ms", "1500")
+    process_cluster.start_worker()
+    consumer = Consumer(process_cluster, N, tmp_path / "out.txt", "silent", max_rate=4000)
+    assert consumer.wait_received(N // 5, 60), consumer.output()
+    consumer.proc.send_signal(signal.SIGSTOP)
+    time.sleep(PAUSE_S)  # > worker_timeout_ms (1500) + the dispatcher's check interval (1 s)
+    consumer.proc.send_signal(signal.SIGCONT)
+    result = consumer.wait(90)
+    assert result.done and result.missing == 0 and result.duplicated == 0, (
+        f"{result}\n{consumer.output()}\n{dispatcher.output[-2000:]}")
+    assert "silent for" in dispatcher.output  # it really was declared silent
+    assert "taken for dead" in consumer.output() and "delivered twice" in consumer.output()
+
+
 OFF_READER = """
 import sys, time
 import torch_dataservice as tds

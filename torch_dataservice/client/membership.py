@@ -97,6 +97,7 @@ class Membership:
         self.skipped_tasks = False  # some tasks are not read here (LOCAL)
         self.fatal: BaseException | None = None
         self._heartbeat_lock = threading.Lock()
+        self._warned_silent = False
 
     def fail(self, error: BaseException) -> None:
         with self.lock:
@@ -135,6 +136,14 @@ class Membership:
             self.fail(rpc_error_to_exception(error, "client heartbeat"))
             return False
         self.down_since = None
+        if response.declared_silent and not self._warned_silent:
+            self._warned_silent = True
+            logger.warning(
+                "this reader (client %d of iteration %d) was silent for longer than the "
+                "dispatcher's worker_timeout_ms (its process paused or starved?) and was taken "
+                "for dead: what it had received and not yet acknowledged may also have been "
+                "handed to the job's other readers, so some elements may be delivered twice",
+                self.client_id, self.iteration_id)
         if self._delivery and response.lost_task_ids:
             self._delivery.fence(response.lost_task_ids)
         if self._delivery and response.settled:

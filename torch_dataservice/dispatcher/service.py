@@ -178,6 +178,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             reply = tasks.client_reply(self._state, iteration,
                                        self._soft.take_settled(iteration, request.client_id),
                                        self._soft.proposals.get(iteration.iteration_id), held)
+            reply.declared_silent = request.client_id in self._soft.silent_clients
             pushes = self._effects.pushes(added)
         self._pusher.push(pushes)
         return reply
