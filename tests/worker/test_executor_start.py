@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
@@ -122,6 +123,23 @@ def test_start_returns_with_every_executor_ready() -> None:
         assert all(slot.ready.is_set() and slot.alive for slot in pool._slots)  # noqa: SLF001
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("processes", [0, 1])
+def test_close_ends_every_receive_loop_before_closing_its_connection(processes: int) -> None:
+    # A receive loop left reading a closed descriptor read whatever reused its number next: a
+    # worker restarted in this process lost its new executor's messages to the old loop and
+    # hung (tests/integration/test_static_sharding.py, once in a full suite run).
+    before = set(threading.enumerate())
+    for _ in range(2):
+        pool = ExecutorPool(processes, _Listener())
+        pool.start(timeout=60)
+        slots = list(pool._slots)  # noqa: SLF001
+        pool.close()
+        left = [t.name for t in set(threading.enumerate()) - before
+                if t.name.startswith("executor-rx")]
+        assert not left, f"receive loops outlived close: {left}"
+        assert all(slot.conn.closed for slot in slots)
 
 
 def slow(x: int) -> int:

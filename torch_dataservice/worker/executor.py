@@ -80,6 +80,9 @@ class ExecutorListener(Protocol):
     def on_stages(self, slot: int, totals: tuple[float, ...]) -> None: ...
 
 
+RECEIVER_JOIN_S = 5.0
+
+
 class _Slot:
     """One executor (process or thread) and the connection to it."""
 
@@ -92,6 +95,7 @@ class _Slot:
         self.send_lock = threading.Lock()
         self.datasets: set[str] = set()
         self.alive = True
+        self.receiver: threading.Thread | None = None  # the front's receive loop for it
         # An executor thread's elements, as objects (None for a process: they come encoded).
         self.local: LocalChannel | None = None
         if use_process:
@@ -117,6 +121,25 @@ class _Slot:
         self.sock = socket.socket(fileno=os.dup(self.conn.fileno()))
         self.segments = shm.SegmentMap(self._free_segment)
         self._freed: deque[int] = deque()
+
+    def stop_receiver(self) -> None:
+        """End the receive loop, then close the connection. Closed first, its descriptor
+        number could be reused (a restarted worker's new executor in this process) while the
+        loop still reads it: that loop then took the new executor's messages, and the new
+        worker hung. A shutdown wakes a loop blocked in recv (EOF) on every copy of the fd."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already disconnected
+        receiver = self.receiver
+        if receiver is not None and receiver is not threading.current_thread():
+            receiver.join(timeout=RECEIVER_JOIN_S)
+            if receiver.is_alive():  # leave the fds open rather than let them be reused
+                logger.warning("executor %d: its receive loop did not end within %.0f s; "
+                               "its connection is left open", self.index, RECEIVER_JOIN_S)
+                return
+        self.conn.close()
+        self.sock.close()
 
     def _free_segment(self, segment: int) -> None:
         # Runs wherever the payload's last reference went, maybe under send_lock already (a
@@ -195,8 +218,9 @@ class ExecutorPool:
                 self._slots[index] = slot
             else:
                 self._slots.append(slot)
-        threading.Thread(target=self._receive, args=(slot,), name=f"executor-rx-{index}",
-                         daemon=True).start()
+        slot.receiver = threading.Thread(target=self._receive, args=(slot,),
+                                         name=f"executor-rx-{index}", daemon=True)
+        slot.receiver.start()
 
     def _receive(self, slot: _Slot) -> None:
         while True:
@@ -299,8 +323,7 @@ class ExecutorPool:
                     slot.process.wait(timeout=5)
             elif slot.thread is not None:
                 slot.thread.join(timeout=5)
-            slot.conn.close()
-            slot.sock.close()
+            slot.stop_receiver()
             slot.segments.close()
             if slot.local is not None:
                 slot.local.clear()
