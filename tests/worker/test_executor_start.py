@@ -228,9 +228,66 @@ FORK_HERE_SCRIPT = """
     print("me", os.getpid())
 """
 
+AFTER_GRPC_SCRIPT = """
+    import grpc
+    from torch_dataservice.worker import launch
+
+    channel = grpc.insecure_channel("localhost:1")  # gRPC's threads run from now on
+    try:
+        grpc.channel_ready_future(channel).result(timeout=0.2)
+    except grpc.FutureTimeoutError:
+        pass
+    channel.close()
+    print("after grpc", launch.start_fork_server_here(), launch.shared_fork_server().pid)
+"""
+
+# A training script: torch ops ran (torch's OpenMP pool runs), then an embedded DataLoader.
+EMBEDDED_SCRIPT = """
+    import torch
+    import torch_dataservice as tds
+    from torch_dataservice.worker import launch
+
+    def squares(i):
+        x = torch.full((64, 64), float(i))
+        return int((x @ x)[0, 0].item()) // (64 * i) if i else 0  # == i
+
+    class Squares(torch.utils.data.Dataset):
+        def __len__(self):
+            return 32
+
+        def __getitem__(self, i):
+            return squares(i)
+
+    torch.ones(512, 512) @ torch.ones(512, 512)
+    loader = tds.DataLoader(Squares(), batch_size=4, num_workers=2)
+    server = launch.shared_fork_server()
+    print("forked", isinstance(server._popen, launch.ForkedServerProcess),
+          server.forked_with_threads)
+    print("read", sorted(int(x) for batch in loader for x in batch) == list(range(32)))
+    # A worker wanting two torch threads per executor: not from that fork server.
+    address = tds.torch.embedded.embedded_target().split("://")[1]
+    worker = tds.WorkerServer(tds.WorkerConfig(address, num_processes=1,
+                                               executor_torch_threads=2))
+    kinds = {type(slot.process).__name__ for slot in worker._tasks._executors._slots}
+    print("two threads", sorted(kinds))
+    worker.stop()
+"""
+
 
 def test_a_fork_server_is_forked_from_its_front_only_while_it_runs_one_thread(tmp_path) -> None:
     lines = dict(line.rsplit(" ", 1)
                  for line in run_script(tmp_path, "fork_here.py", FORK_HERE_SCRIPT))
     assert lines["with a thread False"] == "None"  # left to be exec'd when first needed
     assert lines["alone True"] not in ("None", lines["me"])  # forked: a child of its own
+
+
+def test_no_fork_server_is_forked_from_a_process_that_ran_grpc(tmp_path) -> None:
+    assert run_script(tmp_path, "after_grpc.py", AFTER_GRPC_SCRIPT) == ["after grpc False None"]
+
+
+def test_an_embedded_loader_forks_its_fork_server_from_the_training_script(tmp_path) -> None:
+    """Its first batch does not wait for a fresh interpreter to import torch. torch's OpenMP
+    pool ran before the fork: executors on one torch thread are safe forks of it; one that
+    wants two starts as a fresh interpreter (a fork would hang in its first parallel op)."""
+    lines = run_script(tmp_path, "train.py", EMBEDDED_SCRIPT)
+    assert lines == ["forked True True", "read True", "two threads ['InterpreterProcess']"]

@@ -157,6 +157,8 @@ class DataLoader(torch.utils.data.DataLoader):
         self._tds_split = (self._tds_ranks.distributed and not self._tds_iterable
                            and not sampling.splits_by_rank(self))
         service, embedded_service = embedded.resolve(service)
+        if embedded_service:
+            embedded.prepare()
         if self._tds_iterable and self._tds_ranks.distributed and embedded_service:
             raise ValueError(
                 "under torch.distributed an iterable dataset or Pipeline is read as one job "

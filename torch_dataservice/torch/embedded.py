@@ -48,20 +48,34 @@ def embedded_target() -> str:
         return _servers[0].target
 
 
+def prepare() -> None:
+    """Start the embedded worker's executor fork server now if this process can simply fork
+    it (worker/launch.py: no other thread runs yet, as when a training script builds its
+    first loader); else it starts with the worker. Once gRPC or torch's thread pool runs it
+    must be a fresh interpreter that imports torch: the first batch then waits seconds."""
+    from torch_dataservice.worker import launch
+
+    with _lock:
+        if _servers is None:
+            launch.start_fork_server_here()
+
+
 def _start() -> tuple:
     # The one module above client/ that composes servers (the floors test allows it).
     from torch_dataservice.config import WorkerConfig
     from torch_dataservice.dispatcher.server import DispatchServer
+    from torch_dataservice.worker import launch
     from torch_dataservice.worker.server import WorkerServer
 
+    launch.start_fork_server_here()  # before the dispatcher's gRPC threads (see prepare)
     dispatcher = DispatchServer()
     num_processes = None
     if local_world_size() > 1:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
             os.cpu_count() or 1)
         num_processes = max(1, cores // local_world_size())
-    # Executor processes are fresh interpreters: let them import what the training script
-    # imports from its own directory (a dataset module next to train.py), as torch's
+    # Executor processes may come from a fresh interpreter: let them import what the training
+    # script imports from its own directory (a dataset module next to train.py), as torch's
     # spawned workers can.
     saved = os.environ.get("PYTHONPATH")
     script = sys.argv[0] if sys.argv and sys.argv[0] else ""

@@ -22,11 +22,15 @@ copy the fork server's global generator into every executor; Python's `random` r
 The fork server stays for the front's next worker; it exits when the front does.
 
 A process that has imported all of that, runs one thread and has started no gRPC server or
-channel yet (the `torch-dataservice worker` command, before it builds its server) starts its
-fork server as a fork of itself instead (`start_fork_server_here`): a worker then imports
-torch once, not twice. That fork is safe only before gRPC runs: once gRPC has threads, its own
-fork handlers restart them in the child (seen: the child aborts in gRPC's poller), so a fork
-server started any later is exec'd as above.
+channel yet (the `torch-dataservice worker` command, before it builds its server; a training
+script when its first embedded DataLoader is built) starts its fork server as a fork of
+itself instead (`start_fork_server_here`): a worker then imports torch once, not twice, and
+an embedded DataLoader's first batch does not wait for a fresh interpreter to import torch.
+That fork is safe only before gRPC runs: once gRPC has threads, its own fork handlers
+restart them in the child (seen: the child aborts in gRPC's poller), so a fork server started
+any later is exec'd as above. A script may have run torch ops before (its OpenMP pool hangs a
+forked child's parallel ops on more than one thread): executors that want more than one torch
+thread then start as fresh interpreters.
 
 `TORCH_DATASERVICE_EXECUTOR_START=interpreter` starts fresh interpreters instead (also the
 fallback where fork or pidfds are missing): the way to tell whether a problem comes from forking.
@@ -105,23 +109,60 @@ def start_method() -> str:
 
 
 def start_fork_server_here() -> bool:
-    """Fork this process's fork server from this process, now (module docstring), if it runs
-    no other Python thread: call it before this process starts any gRPC server or channel.
-    Where another thread runs (our servers and clients run threads; so does pytest's timeout)
-    nothing happens and the fork server is exec'd later, as in any other process. True if it
-    forked it."""
+    """Fork this process's fork server from this process, now (module docstring), if no other
+    thread of ours or gRPC's runs: call it before this process starts any gRPC server or
+    channel. Where one runs nothing happens and the fork server is exec'd later, as in any
+    other process: a Python thread (our servers and clients run threads; so does pytest's
+    timeout), or gRPC's own (a channel used before leaves them; they have names, the BLAS and
+    OpenMP pools of numpy and torch do not). A process that initialized CUDA is not forked
+    either. True if it forked it."""
     if (start_method() != FORKSERVER or threading.active_count() > 1
-            or threading.current_thread() is not threading.main_thread()):
+            or threading.current_thread() is not threading.main_thread()
+            or _named_threads() or _cuda_initialized()):
         return False
-    shared_fork_server().boot_here()
+    shared_fork_server().boot_here(threaded=_native_threads() > 1)
     return True
+
+
+def _native_threads() -> int:
+    """Threads of this process, Python's or not (1 where /proc does not tell)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+
+
+def _named_threads() -> list[str]:
+    """Names of this process's threads that differ from the process's own (gRPC's)."""
+    def name(task: str) -> str:
+        with open(f"/proc/self/task/{task}/comm") as f:
+            return f.read().strip()
+
+    try:
+        own = name(str(os.getpid()))
+        names = [name(task) for task in os.listdir("/proc/self/task")]
+    except OSError:
+        return []
+    return [n for n in names if n != own]
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_initialized())
+    except Exception:  # a torch without CUDA support, or half-imported: nothing to protect
+        return False
 
 
 def start_executor(conn_fd: int, torch_threads: int | None) -> ExecutorProcess:
     """Start an executor process serving the connection `conn_fd` (the caller closes it)."""
-    if start_method() == INTERPRETER:
+    server = shared_fork_server()
+    # A fork server forked from a process with threads may carry torch's OpenMP pool: its
+    # forks hang in a parallel op on more than one thread (one is safe, as for torch's own
+    # forked DataLoader workers).
+    if start_method() == INTERPRETER or (torch_threads != 1 and server.forked_with_threads):
         return InterpreterProcess(conn_fd, torch_threads)
-    return shared_fork_server().fork(conn_fd, torch_threads)
+    return server.fork(conn_fd, torch_threads)
 
 
 # ====================================================================== fresh interpreters
@@ -276,6 +317,7 @@ class ForkServer:
         self._lock = threading.Lock()
         self._popen: subprocess.Popen | ForkedServerProcess | None = None
         self._sock: socket.socket | None = None
+        self.forked_with_threads = False  # forked from a process that ran other threads
 
     @property
     def pid(self) -> int | None:
@@ -284,6 +326,7 @@ class ForkServer:
 
     def _boot(self) -> None:
         self._discard()
+        self.forked_with_threads = False
         ours, theirs = socket.socketpair()
         with theirs:
             self._popen = subprocess.Popen(
@@ -291,8 +334,9 @@ class ForkServer:
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         self._sock = ours
 
-    def boot_here(self) -> None:
-        """Start the fork server as a fork of this process (`start_fork_server_here`)."""
+    def boot_here(self, threaded: bool = False) -> None:
+        """Start the fork server as a fork of this process (`start_fork_server_here`);
+        `threaded`: this process runs other (native) threads."""
         with self._lock:
             if self._popen is not None and self._popen.poll() is None:
                 return
@@ -301,6 +345,7 @@ class ForkServer:
             with theirs:
                 self._popen = ForkedServerProcess(theirs, ours)
             self._sock = ours
+            self.forked_with_threads = threaded
 
     def _discard(self) -> None:
         """Drop the fork server (dead, or out of step after a timeout): a new one boots."""
