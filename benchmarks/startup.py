@@ -13,6 +13,9 @@ interleaved rounds (medians and minima are printed; machines are shared and nois
                 end to end
   memory        a worker with 2 executors that ran a torch map: each executor's RSS, PSS and
                 USS (private pages) from /proc/PID/smaps_rollup
+  embedded      a training script's first batch from `tds.DataLoader(num_workers=2)` with no
+                service given (it starts its own), from the loader's construction; beside
+                torch's DataLoader (2 forked workers) in the same child, run first
 
     python benchmarks/startup.py                  # 5 rounds, a few minutes
     python benchmarks/startup.py --rounds 3 --only quickstart --only import
@@ -39,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "quickstart.py"
 START_ENV = "TORCH_DATASERVICE_EXECUTOR_START"
-CASES = ("import", "quickstart", "quickstart.py", "readme", "memory")
+CASES = ("import", "quickstart", "quickstart.py", "readme", "memory", "embedded")
 
 IMPORT_BASELINE = "import torch\nimport torch_dataservice.worker.server\n"
 
@@ -104,6 +107,29 @@ dispatcher.stop()
 print(json.dumps({"executors": executors, "fork_server": servers}))
 """
 
+EMBEDDED_CHILD = """
+import json, os, time
+import torch
+import torch_dataservice as tds
+
+class Squares(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+    def __getitem__(self, i):
+        return torch.full((3,), float(i * i))
+
+def first_batch(loader_type):
+    began = time.perf_counter()
+    batches = iter(loader_type(Squares(), batch_size=8, num_workers=2))
+    next(batches)
+    return time.perf_counter() - began
+
+torch_s = first_batch(torch.utils.data.DataLoader)
+tds_s = first_batch(tds.DataLoader)
+print(json.dumps({"torch_first_s": torch_s, "tds_first_s": tds_s}))
+os._exit(0)  # skip the embedded service's exit hooks: not part of the figure
+"""
+
 
 def readme_snippet() -> str:
     """The README's first python block, as a user would paste it into a script."""
@@ -145,6 +171,8 @@ def _measure(case: str, env: dict[str, str], readme: Path) -> object:
         return run([str(QUICKSTART)], env)[0]
     if case == "readme":
         return run([str(readme)], env)[0]
+    if case == "embedded":
+        return json.loads(run(["-c", EMBEDDED_CHILD], env)[1])
     return json.loads(run(["-c", MEMORY_CHILD], env)[1])
 
 
@@ -157,6 +185,10 @@ def _figures(results: dict[str, list]) -> dict[str, list[float]]:
                            ("first_s", "quickstart: 1st element from"),
                            ("last_s", "quickstart: last element from")):
             figures[label] = [row[key] for row in results["quickstart"]]
+    if "embedded" in results:
+        for key, label in (("tds_first_s", "embedded: tds 1st batch"),
+                           ("torch_first_s", "embedded: torch's 1st batch")):
+            figures[label] = [row[key] for row in results["embedded"]]
     for case in ("quickstart.py", "readme"):
         if case in results:
             figures[f"{case} end to end"] = results[case]
