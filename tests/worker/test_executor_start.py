@@ -226,6 +226,8 @@ FORK_HERE_SCRIPT = """
     other.join()
     print("alone", launch.start_fork_server_here(), launch.shared_fork_server().pid)
     print("me", os.getpid())
+    # numpy's BLAS threads run, but no torch op did: its forks may run any torch threads
+    print("threaded", launch.shared_fork_server().forked_with_threads)
 """
 
 AFTER_GRPC_SCRIPT = """
@@ -279,6 +281,7 @@ def test_a_fork_server_is_forked_from_its_front_only_while_it_runs_one_thread(tm
                  for line in run_script(tmp_path, "fork_here.py", FORK_HERE_SCRIPT))
     assert lines["with a thread False"] == "None"  # left to be exec'd when first needed
     assert lines["alone True"] not in ("None", lines["me"])  # forked: a child of its own
+    assert lines["threaded"] == "False"
 
 
 def test_no_fork_server_is_forked_from_a_process_that_ran_grpc(tmp_path) -> None:

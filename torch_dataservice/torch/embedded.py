@@ -57,7 +57,7 @@ def prepare() -> None:
 
     with _lock:
         if _servers is None:
-            launch.start_fork_server_here()
+            launch.start_fork_server_here(after_torch_ops=True)
 
 
 def _start() -> tuple:
@@ -67,7 +67,7 @@ def _start() -> tuple:
     from torch_dataservice.worker import launch
     from torch_dataservice.worker.server import WorkerServer
 
-    launch.start_fork_server_here()  # before the dispatcher's gRPC threads (see prepare)
+    launch.start_fork_server_here(after_torch_ops=True)  # before gRPC runs (see prepare)
     dispatcher = DispatchServer()
     num_processes = None
     if local_world_size() > 1:

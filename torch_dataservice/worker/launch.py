@@ -108,19 +108,20 @@ def start_method() -> str:
     return wanted
 
 
-def start_fork_server_here() -> bool:
+def start_fork_server_here(after_torch_ops: bool = False) -> bool:
     """Fork this process's fork server from this process, now (module docstring), if no other
     thread of ours or gRPC's runs: call it before this process starts any gRPC server or
     channel. Where one runs nothing happens and the fork server is exec'd later, as in any
     other process: a Python thread (our servers and clients run threads; so does pytest's
     timeout), or gRPC's own (a channel used before leaves them; they have names, the BLAS and
     OpenMP pools of numpy and torch do not). A process that initialized CUDA is not forked
-    either. True if it forked it."""
+    either. `after_torch_ops`: this process may have run torch ops (a training script), so
+    torch's OpenMP pool may be among its threads (see start_executor). True if it forked it."""
     if (start_method() != FORKSERVER or threading.active_count() > 1
             or threading.current_thread() is not threading.main_thread()
             or _named_threads() or _cuda_initialized()):
         return False
-    shared_fork_server().boot_here(threaded=_native_threads() > 1)
+    shared_fork_server().boot_here(threaded=after_torch_ops and _native_threads() > 1)
     return True
 
 
@@ -317,7 +318,7 @@ class ForkServer:
         self._lock = threading.Lock()
         self._popen: subprocess.Popen | ForkedServerProcess | None = None
         self._sock: socket.socket | None = None
-        self.forked_with_threads = False  # forked from a process that ran other threads
+        self.forked_with_threads = False  # forked beside torch's OpenMP pool, maybe
 
     @property
     def pid(self) -> int | None:
@@ -336,7 +337,7 @@ class ForkServer:
 
     def boot_here(self, threaded: bool = False) -> None:
         """Start the fork server as a fork of this process (`start_fork_server_here`);
-        `threaded`: this process runs other (native) threads."""
+        `threaded`: torch's OpenMP pool may be among this process's threads."""
         with self._lock:
             if self._popen is not None and self._popen.poll() is None:
                 return
