@@ -33,6 +33,7 @@ from torch_dataservice.worker.messages import (
     Dataset,
     End,
     Failed,
+    FinishedSplit,
     FreeSegment,
     FromExecutor,
     LocalElements,
@@ -42,6 +43,7 @@ from torch_dataservice.worker.messages import (
     SegmentElement,
     Shutdown,
     SmallElements,
+    SplitDone,
     SplitKey,
     SplitRequest,
     Stages,
@@ -72,6 +74,8 @@ class ExecutorListener(Protocol):
     def on_error(self, key: ReplicaKey, error: TaskError) -> None: ...
 
     def on_get_split(self, request: SplitRequest) -> None: ...
+
+    def on_split_done(self, key: ReplicaKey, finished: FinishedSplit) -> None: ...
 
     def on_blocked(self, key: ReplicaKey) -> None: ...
 
@@ -265,6 +269,8 @@ class ExecutorPool:
                 listener.on_error(key, error)
             case SplitRequest():
                 listener.on_get_split(message)
+            case SplitDone(key, finished):
+                listener.on_split_done(key, finished)
             case Blocked(key):
                 listener.on_blocked(key)
             case Stages(totals):  # the executor's stage times (observability/stages.py)

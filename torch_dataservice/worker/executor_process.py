@@ -46,6 +46,7 @@ from torch_dataservice.worker.messages import (
     Failed,
     FinishedSplit,
     FreeSegment,
+    HandedSplit,
     LocalElements,
     Ready,
     Release,
@@ -53,6 +54,7 @@ from torch_dataservice.worker.messages import (
     SegmentElement,
     Shutdown,
     SmallElements,
+    SplitDone,
     SplitKey,
     SplitReply,
     SplitRequest,
@@ -78,6 +80,13 @@ INLINE_PAYLOAD_BYTES = 64 << 10
 # -off to the sender thread and no wake-up of it per element); faster ones are left to the
 # sender, which writes all those queued meanwhile as one message.
 SLOW_ELEMENT_S = 0.0005
+# DYNAMIC: a replica whose splits are cheap holds about this much work in splits beyond the one
+# it reads (at most MAX_HELD_SPLITS), asked for in one message and reported finished one by one
+# without an ask: the per-split round trip to the front (pickling, two wake-ups, a wait) cost
+# more than a split of a few hundred tiny elements. A costly split (a DataLoader batch) is
+# asked for one ahead, so a worker holds no more of them at an epoch's end than it did.
+HELD_SPLITS_S = 0.005
+MAX_HELD_SPLITS = 16
 # Payloads up to this size are copied once and sent in the background; larger ones are written
 # from the element's own memory while the replica waits (a copy would cost more than the wait).
 COPY_PAYLOAD_BYTES = 8 << 20
@@ -110,7 +119,8 @@ class _Segment:
     fd: int | None  # a new segment's, sent after the header (SCM_RIGHTS)
 
 
-_Outgoing = _Small | _Local | _Big | _Segment | End | Failed | SplitRequest | Blocked
+_Outgoing = (_Small | _Local | _Big | _Segment | End | Failed | SplitRequest | SplitDone
+             | Blocked)
 
 
 class _Replica:
@@ -145,8 +155,16 @@ class _Replica:
         self._splits_taken = 0
         self._produced: dict[tuple[int, int], int] = {}
         self._skip: dict[tuple[int, int], frozenset[int]] = {}
-        # The ask for the split after the one being read: (repetition asked, request id).
-        self._ahead: tuple[int, int] | None = None
+        # Splits handed to it and not started yet, in hand-out order (HELD_SPLITS_S); the ask
+        # under way, (repetition asked, request id); whether it reported a split since that
+        # ask (an end it answers may predate the report); whether an ask ahead came back with
+        # an end (no more asks ahead until the splits held run out).
+        self._held: deque[HandedSplit] = deque()
+        self._asked: tuple[int, int] | None = None
+        self._reported_since_ask = False
+        self._end_ahead = False
+        self._split_s: float | None = None  # moving average of a split's duration
+        self._taken_at: float | None = None  # perf_counter when it took its last split
         self.thread = threading.Thread(target=self._run, name=f"replica-{key}", daemon=True)
 
     # --- called by the executor's receive loop
@@ -172,11 +190,13 @@ class _Replica:
 
     # --- the replica thread
     def get_split(self, source_index: int, repetition: int) -> int | None:
-        """The next split of `repetition`. The replica asks for the one after it at once, so
-        that the answer's round trip (front, dispatcher) overlaps reading this one instead of
-        leaving the executor idle between splits; the finished split's report rides on that
-        ask. An ask answered 'no more' is not taken as is when a report is still pending or
-        the repetition differs: asked again, so the end is always known after the report."""
+        """The next split of `repetition`: one it holds, or one asked for. Asks go ahead of
+        need, so that their round trip (front, dispatcher) overlaps reading instead of leaving
+        the executor idle between splits; cheap splits are asked for several at a time
+        (HELD_SPLITS_S). Each finished split is reported before the next split's elements,
+        on an ask or on its own (SplitDone). An end is believed only in answer to an ask sent
+        after the last report, in the same repetition, with nothing held: so the end is always
+        known after the report (see worker/split_feed.py)."""
         finished = None
         if self._holding is not None:
             # Synchronous chains ask for the next split only after emitting all of this one.
@@ -184,36 +204,88 @@ class _Replica:
             self._skip.pop(self._holding, None)
             self._holding = None
         asked = time.perf_counter()
-        reply = None
-        if self._ahead is not None:
-            ahead_repetition, request_id = self._ahead
-            self._ahead = None
-            reply = self._wait_reply(request_id)
-            if reply.index is None and (finished is not None or ahead_repetition != repetition):
-                reply = None
-        if reply is None:
-            reply = self._wait_reply(self._ask(repetition, finished))
+        if self._taken_at is not None:
+            self._split_s = _ewma(self._split_s, asked - self._taken_at)
+        self._take_arrived()
+        if not self._held:
+            if finished is not None and self._asked is not None:
+                self._report(finished, wake=True)  # before waiting for the answer
+                finished = None
+            self._fill(repetition, finished)  # an ask it makes carries the report
             finished = None
-        self.clock.times[stages.SPLIT] += time.perf_counter() - asked
-        if reply.index is None:
+        handed = self._held.popleft() if self._held else None
+        self._taken_at = time.perf_counter()
+        self.clock.times[stages.SPLIT] += self._taken_at - asked
+        if handed is None:
             return None
-        self._holding = (repetition if reply.repetition is None else reply.repetition,
-                         reply.index)
-        self._split_key = self._holding
+        index, skip, split_repetition = handed
+        self._holding = self._split_key = (split_repetition, index)
         self._splits_taken += 1
-        if reply.skip:
-            self._skip[self._holding] = frozenset(reply.skip)
-        self._ahead = (repetition, self._ask(repetition, finished))
-        return reply.index
+        if skip:
+            self._skip[self._holding] = frozenset(skip)
+        self._ask_ahead(repetition, finished)
+        return index
 
-    def _ask(self, repetition: int, finished: FinishedSplit | None) -> int:
-        """Ask the front for a split (written right away: the answer is awaited); its id."""
+    def _fill(self, repetition: int, finished: FinishedSplit | None) -> None:
+        """Wait for splits (the ask under way, or one asked now carrying `finished`) until
+        some are held or at a believable end (none held)."""
+        while not self._held:
+            if self._asked is None:
+                self._asked = (repetition, self._ask(repetition, finished, 1))
+                finished = None
+            asked_repetition, request_id = self._asked
+            reply = self._wait_reply(request_id)
+            self._asked = None
+            self._end_ahead = False
+            self._held.extend(reply.splits)
+            if (not reply.splits and not self._reported_since_ask
+                    and asked_repetition == repetition):
+                break
+
+    def _take_arrived(self) -> None:
+        """Take the answer to the ask under way if it came already (no wait)."""
+        if self._asked is None:
+            return
+        with self._cond:
+            reply = self._split_replies.pop(self._asked[1], None)
+        if reply is None:
+            return
+        self._asked = None
+        self._held.extend(reply.splits)
+        # An end is not believed while splits are held (their reports follow): asked again
+        # once they run out, not ahead.
+        self._end_ahead = not reply.splits
+
+    def _ask_ahead(self, repetition: int, finished: FinishedSplit | None) -> None:
+        """Ask for more splits once those held are down to half the work to hold; the report
+        of `finished` rides on that ask, or goes on its own."""
+        cheap = self._split_s is not None and self._split_s < HELD_SPLITS_S
+        target = min(MAX_HELD_SPLITS, max(1, int(HELD_SPLITS_S / self._split_s))) if (
+            cheap and self._split_s) else 1
+        if self._asked is None and not self._end_ahead and len(self._held) <= target // 2:
+            self._asked = (repetition, self._ask(repetition, finished, target - len(self._held)))
+        elif finished is not None:
+            # While splits are cheap it need not go at once: this split's elements (or the
+            # next ask, or the end) are written soon and carry it, in order.
+            self._report(finished, wake=not cheap)
+
+    def _report(self, finished: FinishedSplit, wake: bool) -> None:
+        """Report `finished` on its own (without `wake`: with the next write)."""
+        self._reported_since_ask = True
+        self._executor.send(SplitDone(self.key, finished), wake=wake)
+
+    def _ask(self, repetition: int, finished: FinishedSplit | None, want: int) -> int:
+        """Ask the front for up to `want` splits (written right away: the answer is awaited,
+        with every report queued before it); its id."""
         request_id = next(self._request_ids)
-        self._executor.send(SplitRequest(self.key, request_id, repetition, finished),
+        self._reported_since_ask = False
+        self._executor.send(SplitRequest(self.key, request_id, repetition, finished, want),
                             inline=True)
         return request_id
 
     def _wait_reply(self, request_id: int) -> SplitReply:
+        if request_id not in self._split_replies:
+            self._executor.flush()  # a report left for the next write goes before the wait
         with self._cond:
             while request_id not in self._split_replies:
                 if self._stopped:
@@ -339,13 +411,15 @@ class ExecutorLoop:
                                         daemon=True)
         self._sender.start()
 
-    def send(self, message: _Outgoing | None, inline: bool = False) -> None:
+    def send(self, message: _Outgoing | None, inline: bool = False, wake: bool = True) -> None:
         """Queue `message` for the front (None: stop the sender after what is queued). With
-        `inline`, write it (and what is queued) on this thread if nobody is writing."""
+        `inline`, write it (and what is queued) on this thread if nobody is writing. Without
+        `wake`, leave it for the next write (the caller knows one comes soon)."""
         with self._outbox_ready:
             self._outbox.append(message)
             if not inline or self._writing:
-                self._outbox_ready.notify()
+                if wake:
+                    self._outbox_ready.notify()
                 return
             self._writing = True
             messages = self._with_stages(list(self._outbox))
@@ -358,6 +432,12 @@ class ExecutorLoop:
             with self._outbox_ready:
                 self._writing = False
                 self._outbox_ready.notify()  # the sender writes what came meanwhile
+
+    def flush(self) -> None:
+        """Have the sender write what is queued (messages sent without `wake`)."""
+        with self._outbox_ready:
+            if self._outbox:
+                self._outbox_ready.notify()
 
     def send_local(self, key: ReplicaKey, split: tuple[int, int] | None, offset: int,
                    element: LocalElement) -> None:
@@ -570,3 +650,6 @@ def executor_main(conn: Connection, local: LocalChannel | None = None,
     finally:
         conn.close()
 
+
+def _ewma(average: float | None, sample: float, weight: float = 0.2) -> float:
+    return sample if average is None else average + weight * (sample - average)

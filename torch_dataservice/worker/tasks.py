@@ -464,24 +464,38 @@ class TaskManager:
                 if index is not None:
                     task.order.handed(replica, (repetition, index))
         if task.local_cursor is not None:
-            self._executors.send(slot, SplitReply(key, request_id, index))
+            self._executors.send(slot, SplitReply(
+                key, request_id, () if index is None else ((index, (), repetition),)))
             return
         if task.split_feed is None:
             self.on_error(key, TaskError("RuntimeError", "this task takes no splits", ""))
             return
 
-        def reply(split: Split | None) -> None:
-            if split is None:
-                self._executors.send(slot, SplitReply(key, request_id, None, (), repetition))
-            else:
-                with task.cond:
-                    task.order.handed(replica, (split.repetition, split.index), split.handed)
-                self._executors.send(slot, SplitReply(key, request_id, split.index, split.skip,
-                                                      split.repetition))
+        def reply(splits: list[Split]) -> None:
+            if splits:
+                with task.cond:  # numbered by the feed, which decides the hand-out order
+                    for split in splits:
+                        task.order.handed(replica, (split.repetition, split.index),
+                                          split.handed)
+            self._executors.send(slot, SplitReply(key, request_id, tuple(
+                (split.index, split.skip, split.repetition) for split in splits)))
 
-        task.split_feed.request(
-            repetition, request.finished, reply,
-            lambda kind, message: self.on_error(key, TaskError(kind, message, "")))
+        task.split_feed.request_many(
+            repetition, finished, reply,
+            lambda kind, message: self.on_error(key, TaskError(kind, message, "")),
+            request.want)
+
+    def on_split_done(self, key: ReplicaKey, finished: FinishedSplit) -> None:
+        """A replica finished a split and reads the next one it holds: the order moves on and
+        the report goes to the dispatcher with the feed's next request."""
+        task = self._task_for(key)
+        if task is None:
+            return
+        with task.cond:
+            self._release(task, task.order.finished(
+                key[1], (finished.repetition, finished.index)))
+        if task.split_feed is not None:
+            task.split_feed.report(finished)
 
     def on_executor_lost(self, slot: int) -> None:
         self.stages.lost(slot)
