@@ -30,6 +30,7 @@ from torch_dataservice.worker.local import LocalChannel
 from torch_dataservice.worker.messages import (
     BigElement,
     Blocked,
+    Bundle,
     Dataset,
     End,
     Failed,
@@ -277,6 +278,9 @@ class ExecutorPool:
                 listener.on_stages(slot.index, totals)
             case Ready():
                 slot.ready.set()
+            case Bundle(messages):  # what the executor had queued, in order
+                for bundled in messages:
+                    self._handle(slot, bundled)
             case _:
                 logger.warning("unknown message from executor %d: %r", slot.index,
                                type(message).__name__)

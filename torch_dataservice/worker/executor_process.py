@@ -40,6 +40,7 @@ from torch_dataservice.worker.local import LocalChannel
 from torch_dataservice.worker.messages import (
     BigElement,
     Blocked,
+    Bundle,
     Credit,
     Dataset,
     End,
@@ -507,21 +508,30 @@ class ExecutorLoop:
                 return
 
     def _write(self, messages: list[_Outgoing | None]) -> bool:
-        # Consecutive small (or local) elements go as one message; order is kept.
+        """Write `messages` in order; True once None (stop) is met. Consecutive small (or
+        local) elements go as one message, and the messages between big payloads as one
+        Bundle: one write here and one read in the front, not one per message (a cheap
+        split's element and the report of the split before it go together)."""
+        pending: list[Any] = []
         batch: list[tuple] = []
         batch_kind: type | None = None
         for message in messages:
             kind = _BATCHED.get(type(message))
             if batch and kind is not batch_kind:
-                self._conn.send(batch_kind(batch))  # type: ignore[misc]
+                pending.append(batch_kind(batch))  # type: ignore[misc]
                 batch = []
             if kind is not None:
                 batch_kind = kind
                 batch.append(message.item)  # type: ignore[union-attr]
                 continue
+            if message is None:
+                self._send_pending(pending)
+                return True
+            if not isinstance(message, (_Segment, _Big)):
+                pending.append(message)
+                continue
+            self._send_pending(pending)  # a header goes alone: raw bytes or an fd follow it
             match message:
-                case None:
-                    return True
                 case _Segment(header, fd):
                     try:
                         self._conn.send(header)
@@ -538,11 +548,18 @@ class ExecutorLoop:
                         write_all(self._conn.fileno(), part)
                     if written is not None:
                         written.set()
-                case _:
-                    self._conn.send(message)
         if batch:
-            self._conn.send(batch_kind(batch))  # type: ignore[misc]
+            pending.append(batch_kind(batch))  # type: ignore[misc]
+        self._send_pending(pending)
         return False
+
+    def _send_pending(self, pending: list[Any]) -> None:
+        """Send `pending` (and empty it): one message as it is, several as one Bundle."""
+        if len(pending) == 1:
+            self._conn.send(pending[0])
+        elif pending:
+            self._conn.send(Bundle(tuple(pending)))
+        pending.clear()
 
     def forget(self, key: ReplicaKey) -> None:
         with self._lock:

@@ -18,6 +18,7 @@ front -> executor                            executor -> front
                                                SplitDone       a replica finished a split
                                                Blocked         a replica waits for credits
                                                Ready           the executor is set up (first)
+                                               Bundle          several of these as one write
 """
 
 from __future__ import annotations
@@ -158,6 +159,12 @@ class SplitDone(NamedTuple):
     finished: FinishedSplit
 
 
+class Bundle(NamedTuple):
+    """Several messages written as one (what the executor had queued between big payloads)."""
+
+    messages: tuple[Any, ...]
+
+
 class Ready(NamedTuple):
     """The executor's first message: it is set up and reads commands (the worker's start()
     returns once every executor said so)."""
@@ -173,7 +180,7 @@ class Stages(NamedTuple):
 
 ToExecutor = Dataset | Release | Start | Credit | SplitReply | Stop | FreeSegment | Shutdown
 FromExecutor = (SmallElements | LocalElements | BigElement | SegmentElement | End | Failed
-                | SplitRequest | SplitDone | Blocked | Stages | Ready)
+                | SplitRequest | SplitDone | Blocked | Stages | Ready | Bundle)
 
 
 # ------------------------------------------------------------------ raw payload bytes
