@@ -22,8 +22,10 @@ KEY = (7, 0)
 @pytest.fixture(autouse=True)
 def cheap_splits(monkeypatch) -> None:
     """Every split counts as cheap, whatever the machine's load (HELD_SPLITS_S of an hour, so
-    the number held is MAX_HELD_SPLITS); the test of costly splits lowers it again."""
+    the number held is MAX_HELD_SPLITS, and reports wait for the next write); the test of
+    costly splits lowers it again."""
     monkeypatch.setattr(executor_process, "HELD_SPLITS_S", 3600.0)
+    monkeypatch.setattr(executor_process, "LAZY_REPORT_S", 3600.0)
 
 
 class ScriptedFront:

@@ -82,12 +82,17 @@ INLINE_PAYLOAD_BYTES = 64 << 10
 # sender, which writes all those queued meanwhile as one message.
 SLOW_ELEMENT_S = 0.0005
 # DYNAMIC: a replica whose splits are cheap holds about this much work in splits beyond the one
-# it reads (at most MAX_HELD_SPLITS), asked for in one message and reported finished one by one
-# without an ask: the per-split round trip to the front (pickling, two wake-ups, a wait) cost
-# more than a split of a few hundred tiny elements. A costly split (a DataLoader batch) is
-# asked for one ahead, so a worker holds no more of them at an epoch's end than it did.
-HELD_SPLITS_S = 0.005
-MAX_HELD_SPLITS = 16
+# it reads (at most MAX_HELD_SPLITS), asked for in one message once it is down to half, and
+# reports each finished split without an ask: the per-split round trip to the front (pickling,
+# two wake-ups, a wait) cost more than a split of a few hundred tiny elements, and a shorter
+# hold left it waiting for the front's answer (a busy front answers in milliseconds: the GIL).
+# A costly split (a DataLoader batch) is asked for one ahead, so a worker holds no more of
+# them at an epoch's end than it did.
+HELD_SPLITS_S = 0.02
+MAX_HELD_SPLITS = 64
+# A report of a split shorter than this waits for the replica's next write (its next element,
+# ask or end), which comes soon: no wake-up of the sender for it.
+LAZY_REPORT_S = 0.002
 # Payloads up to this size are copied once and sent in the background; larger ones are written
 # from the element's own memory while the replica waits (a copy would cost more than the wait).
 COPY_PAYLOAD_BYTES = 8 << 20
@@ -260,15 +265,14 @@ class _Replica:
     def _ask_ahead(self, repetition: int, finished: FinishedSplit | None) -> None:
         """Ask for more splits once those held are down to half the work to hold; the report
         of `finished` rides on that ask, or goes on its own."""
-        cheap = self._split_s is not None and self._split_s < HELD_SPLITS_S
-        target = min(MAX_HELD_SPLITS, max(1, int(HELD_SPLITS_S / self._split_s))) if (
-            cheap and self._split_s) else 1
+        split_s = self._split_s
+        target = min(MAX_HELD_SPLITS, max(1, int(HELD_SPLITS_S / split_s))) if split_s else 1
         if self._asked is None and not self._end_ahead and len(self._held) <= target // 2:
             self._asked = (repetition, self._ask(repetition, finished, target - len(self._held)))
         elif finished is not None:
-            # While splits are cheap it need not go at once: this split's elements (or the
+            # While splits are short it need not go at once: this split's elements (or the
             # next ask, or the end) are written soon and carry it, in order.
-            self._report(finished, wake=not cheap)
+            self._report(finished, wake=split_s is None or split_s >= LAZY_REPORT_S)
 
     def _report(self, finished: FinishedSplit, wake: bool) -> None:
         """Report `finished` on its own (without `wake`: with the next write)."""

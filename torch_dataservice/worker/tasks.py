@@ -119,7 +119,7 @@ class TaskManager:
         num_executors: int,
         # The front's cache of dataset definitions: drop one (see _release_unused).
         forget_dataset: Callable[[str], None] = lambda dataset_id: None,
-        split_prefetch: int = 16,  # WorkerConfig.split_prefetch
+        split_prefetch: int = 64,  # WorkerConfig.split_prefetch
         executor_torch_threads: int | None = 1,  # WorkerConfig.executor_torch_threads
     ) -> None:
         self._get_dataset = get_dataset
