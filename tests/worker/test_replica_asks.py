@@ -63,9 +63,10 @@ class ScriptedFront:
         return [m.finished for m in self.sent if m.finished is not None]
 
 
-def replica_for(answer: Callable[[SplitRequest], list[int]]) -> tuple[_Replica, ScriptedFront]:
+def replica_for(answer: Callable[[SplitRequest], list[int]],
+                credits: int = 1024) -> tuple[_Replica, ScriptedFront]:
     front = ScriptedFront(answer)
-    front.replica = _Replica(front, KEY, None, None, use_splits=True, credits=8)
+    front.replica = _Replica(front, KEY, None, None, use_splits=True, credits=credits)
     return front.replica, front
 
 
@@ -136,3 +137,12 @@ def test_costly_splits_are_asked_for_one_ahead(monkeypatch) -> None:
     assert all(r.want == 1 for r in front.requests)
     assert len(front.requests) == 4 + 1  # one ask under way beside the split read
     assert front.reports() == [FinishedSplit(0, i, 0) for i in range(3)]
+
+
+def test_the_splits_held_leave_the_other_replicas_credits(monkeypatch) -> None:
+    # Splits of 10 elements with 40 credits: at most half the credits' worth held (2 splits).
+    replica, front = replica_for(cursor(100), credits=40)
+    for expected in range(20):
+        assert replica.get_split(0, 0) == expected
+        replica._produced[replica._holding] = 10  # noqa: SLF001 - the split's elements
+    assert max(r.want for r in front.requests) <= 2

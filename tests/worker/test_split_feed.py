@@ -216,3 +216,20 @@ def test_reports_on_their_own_reach_the_dispatcher_before_the_end(pool) -> None:
     assert ask(feed, 0, (0, held[-1].index, 2)) is None
     with dispatcher.lock:
         assert sorted(r[1] for r in dispatcher.reported) == list(range(6))
+
+
+def test_a_reply_holds_no_more_than_the_depth(pool) -> None:
+    dispatcher = FakeDispatcher(num_splits=100)
+    feed = SplitFeed(dispatcher.fetch, pool, depth=4)
+    assert len(ask_many(feed, 0, want=50)) <= 4
+    assert max(c[4] for c in dispatcher.calls) <= 4 + 4
+
+
+def test_the_stock_is_at_most_a_part_of_the_epoch() -> None:
+    from torch_dataservice.worker.tasks import stock_depth
+
+    assert stock_depth(64, 60) == 3  # 60 splits: a newcomer still finds most of them
+    assert stock_depth(64, 4000) == 64
+    assert stock_depth(64, 5) == 1
+    assert stock_depth(0, 4000) == 0  # split_prefetch=0: only on demand
+    assert stock_depth(64, 0) == 64  # the number of splits is not known

@@ -90,6 +90,9 @@ SLOW_ELEMENT_S = 0.0005
 # them at an epoch's end than it did.
 HELD_SPLITS_S = 0.02
 MAX_HELD_SPLITS = 64
+# ... and the elements of the splits held at most this part of its credits: another replica's
+# elements wait for them (worker/reorder.py), and must not run out of credits meanwhile.
+HELD_CREDITS_PART = 0.5
 # A report of a split shorter than this waits for the replica's next write (its next element,
 # ask or end), which comes soon: no wake-up of the sender for it.
 LAZY_REPORT_S = 0.002
@@ -170,6 +173,8 @@ class _Replica:
         self._reported_since_ask = False
         self._end_ahead = False
         self._split_s: float | None = None  # moving average of a split's duration
+        self._split_elements: float | None = None  # ... and of the elements it produced
+        self._credit_limit = credits
         self._taken_at: float | None = None  # perf_counter when it took its last split
         self.thread = threading.Thread(target=self._run, name=f"replica-{key}", daemon=True)
 
@@ -207,6 +212,7 @@ class _Replica:
         if self._holding is not None:
             # Synchronous chains ask for the next split only after emitting all of this one.
             finished = FinishedSplit(*self._holding, self._produced.pop(self._holding, 0))
+            self._split_elements = _ewma(self._split_elements, finished.elements)
             self._skip.pop(self._holding, None)
             self._holding = None
         asked = time.perf_counter()
@@ -266,7 +272,11 @@ class _Replica:
         """Ask for more splits once those held are down to half the work to hold; the report
         of `finished` rides on that ask, or goes on its own."""
         split_s = self._split_s
-        target = min(MAX_HELD_SPLITS, max(1, int(HELD_SPLITS_S / split_s))) if split_s else 1
+        target = 1
+        if split_s:
+            per_split = max(1.0, self._split_elements or 1.0)
+            by_credits = HELD_CREDITS_PART * self._credit_limit / per_split
+            target = max(1, int(min(MAX_HELD_SPLITS, HELD_SPLITS_S / split_s, by_credits)))
         if self._asked is None and not self._end_ahead and len(self._held) <= target // 2:
             self._asked = (repetition, self._ask(repetition, finished, target - len(self._held)))
         elif finished is not None:

@@ -125,11 +125,12 @@ class SplitFeed:
             if self._last_request:  # per split: the last request asked for _last_want
                 self._interval_s = _ewma(self._interval_s,
                                          (now - self._last_request) / self._last_want)
-            self._last_request, self._last_want = now, max(1, want)
+            want = max(1, min(want, self._depth))  # a replica holds no more than the stock
+            self._last_request, self._last_want = now, want
             if finished is not None:
                 self._reports.append(finished)
             self._wanted_repetition = max(self._wanted_repetition, repetition)
-            self._waiters.append(_Waiter(repetition, reply, fail, max(1, want)))
+            self._waiters.append(_Waiter(repetition, reply, fail, want))
             actions = self._settle_locked()
         _run(actions)
 

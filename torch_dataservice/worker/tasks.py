@@ -47,6 +47,18 @@ logger = logging.getLogger(__name__)
 # Elements a replica may have made and not yet handed out (the executor also caps their bytes):
 # enough for several full fetches of tiny elements, so a fetch is not limited to a few of them.
 CREDITS_PER_REPLICA = 1024
+# A task keeps at most this part of a repetition's splits in stock (and hands at most as many
+# to a replica at once): a worker that joins mid-epoch, or another at the epoch's end, finds
+# splits left however cheap they were so far.
+STOCK_EPOCH_PART = 1 / 16
+
+
+def stock_depth(split_prefetch: int, num_splits: int) -> int:
+    """The split feed's depth: WorkerConfig.split_prefetch, at most STOCK_EPOCH_PART of the
+    repetition's splits (when known)."""
+    if num_splits <= 0:
+        return split_prefetch
+    return min(split_prefetch, max(1, int(num_splits * STOCK_EPOCH_PART)))
 
 
 @dataclass
@@ -252,7 +264,7 @@ class TaskManager:
             elif plan.use_splits:
                 task.split_feed = SplitFeed(
                     functools.partial(self._get_split, definition), self._split_pool,
-                    self._split_prefetch)
+                    stock_depth(self._split_prefetch, dataset.num_splits))
             compression = "AUTO" if definition.compression else None
             task.replicas = [index % self._executors.size
                              for index in range(len(plan.replicas))]
