@@ -280,7 +280,10 @@ class ExecutorPool:
                 slot.ready.set()
             case Bundle(messages):  # what the executor had queued, in order
                 for bundled in messages:
-                    self._handle(slot, bundled)
+                    try:  # each on its own, as if it came alone (see _receive)
+                        self._handle(slot, bundled)
+                    except Exception:
+                        logger.exception("executor message handling failed")
             case _:
                 logger.warning("unknown message from executor %d: %r", slot.index,
                                type(message).__name__)
