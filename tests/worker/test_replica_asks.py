@@ -1,4 +1,4 @@
-"""An executor replica's split asks (worker/executor_process.py), against a scripted front: how
+"""An executor replica's split asks (worker/replica_splits.py), against a scripted front: how
 many splits it asks for at once, where its reports go, and when it believes an end. The whole
 path through real processes is covered by the DYNAMIC integration and exactly-once tests."""
 
@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from torch_dataservice.observability import stages
-from torch_dataservice.worker import executor_process
+from torch_dataservice.worker import replica_splits
 from torch_dataservice.worker.executor_process import _Replica
 from torch_dataservice.worker.messages import FinishedSplit, SplitDone, SplitReply, SplitRequest
 
@@ -24,8 +24,8 @@ def cheap_splits(monkeypatch) -> None:
     """Every split counts as cheap, whatever the machine's load (HELD_SPLITS_S of an hour, so
     the number held is MAX_HELD_SPLITS, and reports wait for the next write); the test of
     costly splits lowers it again."""
-    monkeypatch.setattr(executor_process, "HELD_SPLITS_S", 3600.0)
-    monkeypatch.setattr(executor_process, "LAZY_REPORT_S", 3600.0)
+    monkeypatch.setattr(replica_splits, "HELD_SPLITS_S", 3600.0)
+    monkeypatch.setattr(replica_splits, "LAZY_REPORT_S", 3600.0)
 
 
 class ScriptedFront:
@@ -88,7 +88,7 @@ def test_cheap_splits_are_asked_for_several_at_once_and_each_reported_once() -> 
     assert taken == list(range(40))  # every split once, in hand-out order
     # The first ask is for one (a split's cost is not known yet), then many at once.
     assert front.requests[0].want == 1
-    assert max(r.want for r in front.requests) == executor_process.MAX_HELD_SPLITS
+    assert max(r.want for r in front.requests) == replica_splits.MAX_HELD_SPLITS
     assert len(front.requests) < 10
     assert front.reports() == [FinishedSplit(0, i, 0) for i in range(39)]  # once, in order
 
@@ -129,7 +129,7 @@ def test_a_repetition_ends_with_no_ask_left_and_the_next_one_asks_afresh() -> No
 
 
 def test_costly_splits_are_asked_for_one_ahead(monkeypatch) -> None:
-    monkeypatch.setattr(executor_process, "HELD_SPLITS_S", 0.001)
+    monkeypatch.setattr(replica_splits, "HELD_SPLITS_S", 0.001)
     replica, front = replica_for(cursor(100))
     for expected in range(4):
         assert replica.get_split(0, 0) == expected

@@ -16,7 +16,6 @@ The messages both ways are the typed ones of worker/messages.py.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import socket
@@ -47,7 +46,6 @@ from torch_dataservice.worker.messages import (
     Failed,
     FinishedSplit,
     FreeSegment,
-    HandedSplit,
     LocalElements,
     Ready,
     Release,
@@ -66,6 +64,8 @@ from torch_dataservice.worker.messages import (
     ToExecutor,
     write_all,
 )
+from torch_dataservice.worker.replica_splits import SplitAsker
+from torch_dataservice.worker.replica_splits import Stopped as _Stopped
 
 logger = logging.getLogger(__name__)
 
@@ -81,28 +81,9 @@ INLINE_PAYLOAD_BYTES = 64 << 10
 # -off to the sender thread and no wake-up of it per element); faster ones are left to the
 # sender, which writes all those queued meanwhile as one message.
 SLOW_ELEMENT_S = 0.0005
-# DYNAMIC: a replica whose splits are cheap holds about this much work in splits beyond the one
-# it reads (at most MAX_HELD_SPLITS), asked for in one message once it is down to half, and
-# reports each finished split without an ask: the per-split round trip to the front (pickling,
-# two wake-ups, a wait) cost more than a split of a few hundred tiny elements, and a shorter
-# hold left it waiting for the front's answer (a busy front answers in milliseconds: the GIL).
-# A costly split (a DataLoader batch) is asked for one ahead, so a worker holds no more of
-# them at an epoch's end than it did.
-HELD_SPLITS_S = 0.02
-MAX_HELD_SPLITS = 64
-# ... and the elements of the splits held at most this part of its credits: another replica's
-# elements wait for them (worker/reorder.py), and must not run out of credits meanwhile.
-HELD_CREDITS_PART = 0.5
-# A report of a split shorter than this waits for the replica's next write (its next element,
-# ask or end), which comes soon: no wake-up of the sender for it.
-LAZY_REPORT_S = 0.002
 # Payloads up to this size are copied once and sent in the background; larger ones are written
 # from the element's own memory while the replica waits (a copy would cost more than the wait).
 COPY_PAYLOAD_BYTES = 8 << 20
-
-
-class _Stopped(Exception):
-    """The front stopped this replica (task deleted or the worker shuts down)."""
 
 
 # What the sender thread's outbox holds besides messages for the front as they are: elements,
@@ -148,8 +129,6 @@ class _Replica:
         self._said_blocked = False  # the front was told this replica waits for credits
         self._cond = threading.Condition()
         self._stopped = False
-        self._split_replies: dict[int, SplitReply] = {}
-        self._request_ids = itertools.count()
         self.clock = executor.clocks.new()  # stage times (observability/stages.py)
         # Exactly-once DYNAMIC (see dispatcher/splits.py): the split being read, how many
         # elements each split produced so far, and the offsets clients already received of a
@@ -164,17 +143,7 @@ class _Replica:
         self._splits_taken = 0
         self._produced: dict[tuple[int, int], int] = {}
         self._skip: dict[tuple[int, int], frozenset[int]] = {}
-        # Splits handed to it and not started yet, in hand-out order (HELD_SPLITS_S); the ask
-        # under way, (repetition asked, request id); whether it reported a split since that
-        # ask (an end it answers may predate the report); whether an ask ahead came back with
-        # an end (no more asks ahead until the splits held run out).
-        self._held: deque[HandedSplit] = deque()
-        self._asked: tuple[int, int] | None = None
-        self._reported_since_ask = False
-        self._end_ahead = False
-        self._split_s: float | None = None  # moving average of a split's duration
-        self._split_elements: float | None = None  # ... and of the elements it produced
-        self._credit_limit = credits
+        self._splits = SplitAsker(executor, key, credits)  # asked ahead, several if cheap
         self._taken_at: float | None = None  # perf_counter when it took its last split
         self.thread = threading.Thread(target=self._run, name=f"replica-{key}", daemon=True)
 
@@ -190,42 +159,27 @@ class _Replica:
             self._cond.notify_all()
 
     def deliver_split(self, reply: SplitReply) -> None:
-        with self._cond:
-            self._split_replies[reply.request_id] = reply
-            self._cond.notify_all()
+        self._splits.deliver(reply)
 
     def stop(self) -> None:
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
+        self._splits.stop()
 
     # --- the replica thread
     def get_split(self, source_index: int, repetition: int) -> int | None:
-        """The next split of `repetition`: one it holds, or one asked for. Asks go ahead of
-        need, so that their round trip (front, dispatcher) overlaps reading instead of leaving
-        the executor idle between splits; cheap splits are asked for several at a time
-        (HELD_SPLITS_S). Each finished split is reported before the next split's elements,
-        on an ask or on its own (SplitDone). An end is believed only in answer to an ask sent
-        after the last report, in the same repetition, with nothing held: so the end is always
-        known after the report (see worker/split_feed.py)."""
+        """The next split of `repetition`: one held or asked for (worker/replica_splits.py),
+        which reports the split finished here before the next one's elements."""
         finished = None
         if self._holding is not None:
             # Synchronous chains ask for the next split only after emitting all of this one.
             finished = FinishedSplit(*self._holding, self._produced.pop(self._holding, 0))
-            self._split_elements = _ewma(self._split_elements, finished.elements)
             self._skip.pop(self._holding, None)
             self._holding = None
         asked = time.perf_counter()
-        if self._taken_at is not None:
-            self._split_s = _ewma(self._split_s, asked - self._taken_at)
-        self._take_arrived()
-        if not self._held:
-            if finished is not None and self._asked is not None:
-                self._report(finished, wake=True)  # before waiting for the answer
-                finished = None
-            self._fill(repetition, finished)  # an ask it makes carries the report
-            finished = None
-        handed = self._held.popleft() if self._held else None
+        handed = self._splits.next(repetition, finished,
+                                   None if self._taken_at is None else asked - self._taken_at)
         self._taken_at = time.perf_counter()
         self.clock.times[stages.SPLIT] += self._taken_at - asked
         if handed is None:
@@ -235,78 +189,7 @@ class _Replica:
         self._splits_taken += 1
         if skip:
             self._skip[self._holding] = frozenset(skip)
-        self._ask_ahead(repetition, finished)
         return index
-
-    def _fill(self, repetition: int, finished: FinishedSplit | None) -> None:
-        """Wait for splits (the ask under way, or one asked now carrying `finished`) until
-        some are held or at a believable end (none held)."""
-        while not self._held:
-            if self._asked is None:
-                self._asked = (repetition, self._ask(repetition, finished, 1))
-                finished = None
-            asked_repetition, request_id = self._asked
-            reply = self._wait_reply(request_id)
-            self._asked = None
-            self._end_ahead = False
-            self._held.extend(reply.splits)
-            if (not reply.splits and not self._reported_since_ask
-                    and asked_repetition == repetition):
-                break
-
-    def _take_arrived(self) -> None:
-        """Take the answer to the ask under way if it came already (no wait)."""
-        if self._asked is None:
-            return
-        with self._cond:
-            reply = self._split_replies.pop(self._asked[1], None)
-        if reply is None:
-            return
-        self._asked = None
-        self._held.extend(reply.splits)
-        # An end is not believed while splits are held (their reports follow): asked again
-        # once they run out, not ahead.
-        self._end_ahead = not reply.splits
-
-    def _ask_ahead(self, repetition: int, finished: FinishedSplit | None) -> None:
-        """Ask for more splits once those held are down to half the work to hold; the report
-        of `finished` rides on that ask, or goes on its own."""
-        split_s = self._split_s
-        target = 1
-        if split_s:
-            per_split = max(1.0, self._split_elements or 1.0)
-            by_credits = HELD_CREDITS_PART * self._credit_limit / per_split
-            target = max(1, int(min(MAX_HELD_SPLITS, HELD_SPLITS_S / split_s, by_credits)))
-        if self._asked is None and not self._end_ahead and len(self._held) <= target // 2:
-            self._asked = (repetition, self._ask(repetition, finished, target - len(self._held)))
-        elif finished is not None:
-            # While splits are short it need not go at once: this split's elements (or the
-            # next ask, or the end) are written soon and carry it, in order.
-            self._report(finished, wake=split_s is None or split_s >= LAZY_REPORT_S)
-
-    def _report(self, finished: FinishedSplit, wake: bool) -> None:
-        """Report `finished` on its own (without `wake`: with the next write)."""
-        self._reported_since_ask = True
-        self._executor.send(SplitDone(self.key, finished), wake=wake)
-
-    def _ask(self, repetition: int, finished: FinishedSplit | None, want: int) -> int:
-        """Ask the front for up to `want` splits (written right away: the answer is awaited,
-        with every report queued before it); its id."""
-        request_id = next(self._request_ids)
-        self._reported_since_ask = False
-        self._executor.send(SplitRequest(self.key, request_id, repetition, finished, want),
-                            inline=True)
-        return request_id
-
-    def _wait_reply(self, request_id: int) -> SplitReply:
-        if request_id not in self._split_replies:
-            self._executor.flush()  # a report left for the next write goes before the wait
-        with self._cond:
-            while request_id not in self._split_replies:
-                if self._stopped:
-                    raise _Stopped
-                self._cond.wait(1.0)
-            return self._split_replies.pop(request_id)
 
     def _take_credit(self, size: int) -> None:
         with self._cond:
@@ -680,7 +563,3 @@ def executor_main(conn: Connection, local: LocalChannel | None = None,
         ExecutorLoop(conn, local).run()
     finally:
         conn.close()
-
-
-def _ewma(average: float | None, sample: float, weight: float = 0.2) -> float:
-    return sample if average is None else average + weight * (sample - average)
