@@ -118,7 +118,7 @@ FLAGS: dict[str, list[Flag]] = {
         Flag("--cross-trainer-cache-bytes", "bytes of the cross-trainer cache window per job "
                                             "(default: 1 GiB)", "int", 1 << 30),
         Flag("--split-prefetch", "most DYNAMIC splits a task keeps in stock ahead of need "
-                                 "(default: 16)", "int", 16),
+                                 "(default: 64)", "int", 64),
         Flag("--drain-timeout-s", "on SIGTERM, serve what this worker holds for up to this "
                                   "long, then hand the rest back (default: 30)", "float", 30.0),
         Flag("--executor-torch-threads", "torch threads in each executor process (default: 1, "

@@ -174,8 +174,9 @@ class WorkerConfig:
     host: str = "localhost"
     cross_trainer_cache_bytes: int = field(default=1 << 30)
     # Most DYNAMIC splits a task keeps in stock ahead of need (worker/split_feed.py sizes the
-    # stock to the GetSplit latency); 0 asks only when a process needs one.
-    split_prefetch: int = 16
+    # stock to the GetSplit latency and at least 20 ms of work: many only for tiny splits; at
+    # most a sixteenth of an epoch's splits); 0 asks only when a process needs one.
+    split_prefetch: int = 64
     data_port: int = 0
     drain_timeout_s: float = 30.0
     metrics_port: int | None = None  # Prometheus /metrics: None off, 0 a free port

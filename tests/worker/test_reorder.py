@@ -138,3 +138,26 @@ def test_a_replica_asking_ahead_holds_two_splits_and_finishes_them_by_name() -> 
     assert front.out == ["a0", "b0"]
     front.out += front.order.finished(0)  # replica 0 ended: every split it held finished
     assert front.out == ["a0", "b0", "c0"] and front.order.held == 0
+
+
+def test_a_replica_holding_several_splits_releases_them_in_hand_out_order() -> None:
+    """A replica of cheap splits gets several in one reply (worker/executor_process.py) and
+    reports each as it finishes it: a later split of another replica waits for all of them,
+    and an ended replica finishes those it never started."""
+    front = Front()
+    for number, split in enumerate("abc"):  # one reply to replica 0: a, b, c
+        front.order.handed(0, split, number)
+    front.order.handed(1, "d", 3)
+    front.order.handed(0, "e", 4)
+    front.element(1, "d", "d0")
+    front.element(0, "a", "a0")
+    front.out += front.order.finished(0, "a")
+    front.element(0, "b", "b0")
+    front.out += front.order.finished(0, "b")
+    assert front.out == ["a0", "b0"] and front.order.held == 1
+    front.out += front.order.finished(0, "c")  # c was empty
+    assert front.out == ["a0", "b0", "d0"]
+    front.element(0, "e", "e0")  # e waits for d
+    assert front.out == ["a0", "b0", "d0"]
+    front.out += front.order.finished(1)  # replica 1 ended
+    assert front.out == ["a0", "b0", "d0", "e0"] and front.order.held == 0

@@ -177,3 +177,59 @@ def test_the_stock_stays_small_for_costly_splits(pool) -> None:
     _consume(feed, 30, work_s=0.02)
     # A split's work hides a request many times over: no need to hold many splits.
     assert max(c[4] for c in dispatcher.calls) <= 3
+
+
+def ask_many(feed: SplitFeed, repetition: int, want: int, finished=None, timeout: float = 10):
+    answers: queue.Queue = queue.Queue()
+    feed.request_many(repetition, finished, answers.put,
+                      lambda kind, message: answers.put(RuntimeError(f"{kind}: {message}")),
+                      want)
+    answer = answers.get(timeout=timeout)
+    if isinstance(answer, Exception):
+        raise answer
+    return answer
+
+
+def test_a_request_for_several_gets_up_to_that_many_numbered_in_order(pool) -> None:
+    dispatcher = FakeDispatcher(num_splits=10)
+    feed = SplitFeed(dispatcher.fetch, pool, depth=4)
+    first = ask_many(feed, 0, want=3)
+    assert 1 <= len(first) <= 3 and [s.index for s in first] == list(range(len(first)))
+    assert [s.handed for s in first] == list(range(len(first)))
+    taken = list(first)
+    while (splits := ask_many(feed, 0, want=3, finished=(0, taken[-1].index, 1))):
+        assert len(splits) <= 3
+        taken += splits
+    assert [s.index for s in taken] == list(range(10))
+    assert [s.handed for s in taken] == list(range(10))
+
+
+def test_reports_on_their_own_reach_the_dispatcher_before_the_end(pool) -> None:
+    dispatcher = FakeDispatcher(num_splits=6, delay_s=0.002)
+    feed = SplitFeed(dispatcher.fetch, pool, depth=2)
+    held = []
+    while len(held) < 6:
+        held += ask_many(feed, 0, want=6)
+    for split in held[:-1]:  # reported as read, with no ask
+        feed.report((split.repetition, split.index, 2))
+    # The end comes only in answer to the ask that carries the last report, after every one.
+    assert ask(feed, 0, (0, held[-1].index, 2)) is None
+    with dispatcher.lock:
+        assert sorted(r[1] for r in dispatcher.reported) == list(range(6))
+
+
+def test_a_reply_holds_no_more_than_the_depth(pool) -> None:
+    dispatcher = FakeDispatcher(num_splits=100)
+    feed = SplitFeed(dispatcher.fetch, pool, depth=4)
+    assert len(ask_many(feed, 0, want=50)) <= 4
+    assert max(c[4] for c in dispatcher.calls) <= 4 + 4
+
+
+def test_the_stock_is_at_most_a_part_of_the_epoch() -> None:
+    from torch_dataservice.worker.tasks import stock_depth
+
+    assert stock_depth(64, 60) == 3  # 60 splits: a newcomer still finds most of them
+    assert stock_depth(64, 4000) == 64
+    assert stock_depth(64, 5) == 1
+    assert stock_depth(0, 4000) == 0  # split_prefetch=0: only on demand
+    assert stock_depth(64, 0) == 64  # the number of splits is not known

@@ -30,9 +30,11 @@ from torch_dataservice.worker.local import LocalChannel
 from torch_dataservice.worker.messages import (
     BigElement,
     Blocked,
+    Bundle,
     Dataset,
     End,
     Failed,
+    FinishedSplit,
     FreeSegment,
     FromExecutor,
     LocalElements,
@@ -42,6 +44,7 @@ from torch_dataservice.worker.messages import (
     SegmentElement,
     Shutdown,
     SmallElements,
+    SplitDone,
     SplitKey,
     SplitRequest,
     Stages,
@@ -72,6 +75,8 @@ class ExecutorListener(Protocol):
     def on_error(self, key: ReplicaKey, error: TaskError) -> None: ...
 
     def on_get_split(self, request: SplitRequest) -> None: ...
+
+    def on_split_done(self, key: ReplicaKey, finished: FinishedSplit) -> None: ...
 
     def on_blocked(self, key: ReplicaKey) -> None: ...
 
@@ -265,12 +270,20 @@ class ExecutorPool:
                 listener.on_error(key, error)
             case SplitRequest():
                 listener.on_get_split(message)
+            case SplitDone(key, finished):
+                listener.on_split_done(key, finished)
             case Blocked(key):
                 listener.on_blocked(key)
             case Stages(totals):  # the executor's stage times (observability/stages.py)
                 listener.on_stages(slot.index, totals)
             case Ready():
                 slot.ready.set()
+            case Bundle(messages):  # what the executor had queued, in order
+                for bundled in messages:
+                    try:  # each on its own, as if it came alone (see _receive)
+                        self._handle(slot, bundled)
+                    except Exception:
+                        logger.exception("executor message handling failed")
             case _:
                 logger.warning("unknown message from executor %d: %r", slot.index,
                                type(message).__name__)

@@ -16,7 +16,6 @@ The messages both ways are the typed ones of worker/messages.py.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import socket
@@ -40,6 +39,7 @@ from torch_dataservice.worker.local import LocalChannel
 from torch_dataservice.worker.messages import (
     BigElement,
     Blocked,
+    Bundle,
     Credit,
     Dataset,
     End,
@@ -53,6 +53,7 @@ from torch_dataservice.worker.messages import (
     SegmentElement,
     Shutdown,
     SmallElements,
+    SplitDone,
     SplitKey,
     SplitReply,
     SplitRequest,
@@ -63,6 +64,8 @@ from torch_dataservice.worker.messages import (
     ToExecutor,
     write_all,
 )
+from torch_dataservice.worker.replica_splits import SplitAsker
+from torch_dataservice.worker.replica_splits import Stopped as _Stopped
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +84,6 @@ SLOW_ELEMENT_S = 0.0005
 # Payloads up to this size are copied once and sent in the background; larger ones are written
 # from the element's own memory while the replica waits (a copy would cost more than the wait).
 COPY_PAYLOAD_BYTES = 8 << 20
-
-
-class _Stopped(Exception):
-    """The front stopped this replica (task deleted or the worker shuts down)."""
 
 
 # What the sender thread's outbox holds besides messages for the front as they are: elements,
@@ -110,7 +109,8 @@ class _Segment:
     fd: int | None  # a new segment's, sent after the header (SCM_RIGHTS)
 
 
-_Outgoing = _Small | _Local | _Big | _Segment | End | Failed | SplitRequest | Blocked
+_Outgoing = (_Small | _Local | _Big | _Segment | End | Failed | SplitRequest | SplitDone
+             | Blocked)
 
 
 class _Replica:
@@ -129,8 +129,6 @@ class _Replica:
         self._said_blocked = False  # the front was told this replica waits for credits
         self._cond = threading.Condition()
         self._stopped = False
-        self._split_replies: dict[int, SplitReply] = {}
-        self._request_ids = itertools.count()
         self.clock = executor.clocks.new()  # stage times (observability/stages.py)
         # Exactly-once DYNAMIC (see dispatcher/splits.py): the split being read, how many
         # elements each split produced so far, and the offsets clients already received of a
@@ -145,8 +143,8 @@ class _Replica:
         self._splits_taken = 0
         self._produced: dict[tuple[int, int], int] = {}
         self._skip: dict[tuple[int, int], frozenset[int]] = {}
-        # The ask for the split after the one being read: (repetition asked, request id).
-        self._ahead: tuple[int, int] | None = None
+        self._splits = SplitAsker(executor, key, credits)  # asked ahead, several if cheap
+        self._taken_at: float | None = None  # perf_counter when it took its last split
         self.thread = threading.Thread(target=self._run, name=f"replica-{key}", daemon=True)
 
     # --- called by the executor's receive loop
@@ -161,22 +159,18 @@ class _Replica:
             self._cond.notify_all()
 
     def deliver_split(self, reply: SplitReply) -> None:
-        with self._cond:
-            self._split_replies[reply.request_id] = reply
-            self._cond.notify_all()
+        self._splits.deliver(reply)
 
     def stop(self) -> None:
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
+        self._splits.stop()
 
     # --- the replica thread
     def get_split(self, source_index: int, repetition: int) -> int | None:
-        """The next split of `repetition`. The replica asks for the one after it at once, so
-        that the answer's round trip (front, dispatcher) overlaps reading this one instead of
-        leaving the executor idle between splits; the finished split's report rides on that
-        ask. An ask answered 'no more' is not taken as is when a report is still pending or
-        the repetition differs: asked again, so the end is always known after the report."""
+        """The next split of `repetition`: one held or asked for (worker/replica_splits.py),
+        which reports the split finished here before the next one's elements."""
         finished = None
         if self._holding is not None:
             # Synchronous chains ask for the next split only after emitting all of this one.
@@ -184,42 +178,18 @@ class _Replica:
             self._skip.pop(self._holding, None)
             self._holding = None
         asked = time.perf_counter()
-        reply = None
-        if self._ahead is not None:
-            ahead_repetition, request_id = self._ahead
-            self._ahead = None
-            reply = self._wait_reply(request_id)
-            if reply.index is None and (finished is not None or ahead_repetition != repetition):
-                reply = None
-        if reply is None:
-            reply = self._wait_reply(self._ask(repetition, finished))
-            finished = None
-        self.clock.times[stages.SPLIT] += time.perf_counter() - asked
-        if reply.index is None:
+        handed = self._splits.next(repetition, finished,
+                                   None if self._taken_at is None else asked - self._taken_at)
+        self._taken_at = time.perf_counter()
+        self.clock.times[stages.SPLIT] += self._taken_at - asked
+        if handed is None:
             return None
-        self._holding = (repetition if reply.repetition is None else reply.repetition,
-                         reply.index)
-        self._split_key = self._holding
+        index, skip, split_repetition = handed
+        self._holding = self._split_key = (split_repetition, index)
         self._splits_taken += 1
-        if reply.skip:
-            self._skip[self._holding] = frozenset(reply.skip)
-        self._ahead = (repetition, self._ask(repetition, finished))
-        return reply.index
-
-    def _ask(self, repetition: int, finished: FinishedSplit | None) -> int:
-        """Ask the front for a split (written right away: the answer is awaited); its id."""
-        request_id = next(self._request_ids)
-        self._executor.send(SplitRequest(self.key, request_id, repetition, finished),
-                            inline=True)
-        return request_id
-
-    def _wait_reply(self, request_id: int) -> SplitReply:
-        with self._cond:
-            while request_id not in self._split_replies:
-                if self._stopped:
-                    raise _Stopped
-                self._cond.wait(1.0)
-            return self._split_replies.pop(request_id)
+        if skip:
+            self._skip[self._holding] = frozenset(skip)
+        return index
 
     def _take_credit(self, size: int) -> None:
         with self._cond:
@@ -339,13 +309,15 @@ class ExecutorLoop:
                                         daemon=True)
         self._sender.start()
 
-    def send(self, message: _Outgoing | None, inline: bool = False) -> None:
+    def send(self, message: _Outgoing | None, inline: bool = False, wake: bool = True) -> None:
         """Queue `message` for the front (None: stop the sender after what is queued). With
-        `inline`, write it (and what is queued) on this thread if nobody is writing."""
+        `inline`, write it (and what is queued) on this thread if nobody is writing. Without
+        `wake`, leave it for the next write (the caller knows one comes soon)."""
         with self._outbox_ready:
             self._outbox.append(message)
             if not inline or self._writing:
-                self._outbox_ready.notify()
+                if wake:
+                    self._outbox_ready.notify()
                 return
             self._writing = True
             messages = self._with_stages(list(self._outbox))
@@ -358,6 +330,12 @@ class ExecutorLoop:
             with self._outbox_ready:
                 self._writing = False
                 self._outbox_ready.notify()  # the sender writes what came meanwhile
+
+    def flush(self) -> None:
+        """Have the sender write what is queued (messages sent without `wake`)."""
+        with self._outbox_ready:
+            if self._outbox:
+                self._outbox_ready.notify()
 
     def send_local(self, key: ReplicaKey, split: tuple[int, int] | None, offset: int,
                    element: LocalElement) -> None:
@@ -427,21 +405,30 @@ class ExecutorLoop:
                 return
 
     def _write(self, messages: list[_Outgoing | None]) -> bool:
-        # Consecutive small (or local) elements go as one message; order is kept.
+        """Write `messages` in order; True once None (stop) is met. Consecutive small (or
+        local) elements go as one message, and the messages between big payloads as one
+        Bundle: one write here and one read in the front, not one per message (a cheap
+        split's element and the report of the split before it go together)."""
+        pending: list[Any] = []
         batch: list[tuple] = []
         batch_kind: type | None = None
         for message in messages:
             kind = _BATCHED.get(type(message))
             if batch and kind is not batch_kind:
-                self._conn.send(batch_kind(batch))  # type: ignore[misc]
+                pending.append(batch_kind(batch))  # type: ignore[misc]
                 batch = []
             if kind is not None:
                 batch_kind = kind
                 batch.append(message.item)  # type: ignore[union-attr]
                 continue
+            if message is None:
+                self._send_pending(pending)
+                return True
+            if not isinstance(message, (_Segment, _Big)):
+                pending.append(message)
+                continue
+            self._send_pending(pending)  # a header goes alone: raw bytes or an fd follow it
             match message:
-                case None:
-                    return True
                 case _Segment(header, fd):
                     try:
                         self._conn.send(header)
@@ -458,11 +445,18 @@ class ExecutorLoop:
                         write_all(self._conn.fileno(), part)
                     if written is not None:
                         written.set()
-                case _:
-                    self._conn.send(message)
         if batch:
-            self._conn.send(batch_kind(batch))  # type: ignore[misc]
+            pending.append(batch_kind(batch))  # type: ignore[misc]
+        self._send_pending(pending)
         return False
+
+    def _send_pending(self, pending: list[Any]) -> None:
+        """Send `pending` (and empty it): one message as it is, several as one Bundle."""
+        if len(pending) == 1:
+            self._conn.send(pending[0])
+        elif pending:
+            self._conn.send(Bundle(tuple(pending)))
+        pending.clear()
 
     def forget(self, key: ReplicaKey) -> None:
         with self._lock:
@@ -569,4 +563,3 @@ def executor_main(conn: Connection, local: LocalChannel | None = None,
         ExecutorLoop(conn, local).run()
     finally:
         conn.close()
-

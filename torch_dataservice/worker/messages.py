@@ -10,13 +10,15 @@ front -> executor                            executor -> front
   Release       drop a dataset                 LocalElements   tokens of objects on the
   Start         run a replica                                  front's LocalChannel
   Credit        n more elements may be made    BigElement      header; `size` raw bytes follow
-  SplitReply    the split asked for (or none)  SegmentElement  a payload in shared memory
+  SplitReply    the splits asked for (or none) SegmentElement  a payload in shared memory
   Stop          stop a replica                                 (worker/shm.py); capacity > 0:
   FreeSegment   a segment may be reused                        a new segment, its fd follows
   Shutdown      end the executor               End / Failed    a replica ended / failed
-                                               SplitRequest    a replica wants its next split
+                                               SplitRequest    a replica wants its next splits
+                                               SplitDone       a replica finished a split
                                                Blocked         a replica waits for credits
                                                Ready           the executor is set up (first)
+                                               Bundle          several of these as one write
 """
 
 from __future__ import annotations
@@ -73,18 +75,18 @@ class Credit(NamedTuple):
     n: int
 
 
-class SplitReply(NamedTuple):
-    """The split for request `request_id`; index None: no more splits in its repetition.
+# A split handed to a replica: (index, offsets readers already received, its repetition: a
+# requeued DYNAMIC split may be older than the pass that reads it).
+HandedSplit = tuple[int, tuple[int, ...], int]
 
-    `repetition` is the split's own (a requeued DYNAMIC split may be older than the pass that
-    reads it), None for the repetition asked for; `skip` the offsets readers already received.
-    """
+
+class SplitReply(NamedTuple):
+    """The splits for request `request_id`, in hand-out order (at most the `want` asked for);
+    none: no more splits in the repetition asked for."""
 
     key: ReplicaKey
     request_id: int
-    index: int | None
-    skip: tuple[int, ...] = ()
-    repetition: int | None = None
+    splits: tuple[HandedSplit, ...]
 
 
 class Stop(NamedTuple):
@@ -140,10 +142,27 @@ class Blocked(NamedTuple):
 
 
 class SplitRequest(NamedTuple):
+    """A replica wants up to `want` more splits (cheap splits are asked for several at a time),
+    having finished `finished` (a report the ask carries: see SplitDone)."""
+
     key: ReplicaKey
     request_id: int
     repetition: int
     finished: FinishedSplit | None
+    want: int = 1
+
+
+class SplitDone(NamedTuple):
+    """A replica finished `finished` and reads the next split it holds, with no ask."""
+
+    key: ReplicaKey
+    finished: FinishedSplit
+
+
+class Bundle(NamedTuple):
+    """Several messages written as one (what the executor had queued between big payloads)."""
+
+    messages: tuple[Any, ...]
 
 
 class Ready(NamedTuple):
@@ -161,7 +180,7 @@ class Stages(NamedTuple):
 
 ToExecutor = Dataset | Release | Start | Credit | SplitReply | Stop | FreeSegment | Shutdown
 FromExecutor = (SmallElements | LocalElements | BigElement | SegmentElement | End | Failed
-                | SplitRequest | Blocked | Stages | Ready)
+                | SplitRequest | SplitDone | Blocked | Stages | Ready | Bundle)
 
 
 # ------------------------------------------------------------------ raw payload bytes

@@ -7,14 +7,15 @@ split by split in that order, like torch's DataLoader (`in_order=True`) orders i
 batches: the elements of the earliest split not yet finished (the head) go out at once, later
 splits' elements wait here until every split before theirs is finished.
 
-A split is finished when its replica reports it finished (with its next ask for a split, sent
-after it emitted all of the split: the messages of one executor arrive in order) or ends. A
-replica asks for its next split ahead (worker/executor_process.py), so it may hold two: the one
-it reads and the one it reads next. No deadlock: the head split's replica has all of its
-elements released (its earlier splits are finished, its later ones not started), so readers
-drain them and its credits come back; a held split's replica only waits for credits, never the
-head. What waits here is bounded by the replicas' credits
-(worker/executor_process.py), as it was in the task buffer.
+A split is finished when its replica reports it finished (on an ask or on its own, sent after
+it emitted all of the split: the messages of one executor arrive in order) or ends. A replica
+asks for its next splits ahead, several at once while they are cheap
+(worker/executor_process.py), so it may hold several: the one it reads and those it reads
+next, in the order they were handed to it, which is the order it reads and reports them in.
+No deadlock: the head split's replica has all of its elements released (its earlier splits
+are finished, its later ones not started), so readers drain them and its credits come back; a
+held split's replica only waits for credits, never the head. What waits here is bounded by the
+replicas' credits (worker/executor_process.py), as it was in the task buffer.
 
 Elements without a split (replicas that read no splits: static sharding, one replica) and
 elements of a split this order does not know pass straight through.

@@ -7,8 +7,13 @@ is down to half, refills it with one GetSplit for as many splits as are missing
 trip and an fsync are paid per batch of splits, not per split, and one task's splits are still
 produced in the order the cursor hands them out. The stock is sized to what the replicas use
 while a request is under way (twice the measured GetSplit latency over the measured interval
-between their requests), at most `depth`: cheap splits are asked for many at a time, costly
-ones (a DataLoader batch) one or two ahead, so a worker does not sit on work another could do.
+between the splits they take, and at least MIN_STOCK_S of their work), at most `depth`: cheap
+splits are asked for many at a time, costly ones (a DataLoader batch) one or two ahead, so a
+worker does not sit on work another could do.
+
+A replica may ask for several splits at once (`want`: cheap splits, worker/executor_process.py)
+and gets up to that many from the stock in one reply, at least one. It reports each split it
+finished, with its next ask or on its own (`report`); either way before it asks again.
 
 One request is in flight per task at a time, under the feed's own replica id with increasing
 request numbers, so a request retried after a lost reply gets the same splits back (the
@@ -29,7 +34,6 @@ cursor's remaining splits are: such a pipeline reads part of the data by design.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
@@ -47,6 +51,11 @@ logger = logging.getLogger(__name__)
 
 # The feed's replica id in GetSplit (executor replicas would use 0, 1, ...).
 FEED_REPLICA = 1 << 20
+# The stock covers at least this much of the replicas' work, however fast the dispatcher
+# answers: cheap splits (a few hundred tiny elements, under a millisecond) then come many per
+# GetSplit, whose cost (a gRPC call on both sides, a lock, a journal sync) they share; a stock
+# this short is no work another worker misses.
+MIN_STOCK_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,8 @@ class Split:
 FetchSplits = Callable[[int, int, int, list[FinishedSplit], int], "list[Split]"]
 # Reply to a replica's request: a split, or None for "no more splits in its repetition".
 Reply = Callable[["Split | None"], None]
+# Reply to a replica's request for several: up to that many splits, none for "no more".
+ReplyMany = Callable[["list[Split]"], None]
 # The feed failed (the dispatcher stayed unreachable, or refused): (type, message)
 Fail = Callable[[str, str], None]
 
@@ -69,8 +80,9 @@ Fail = Callable[[str, str], None]
 @dataclass
 class _Waiter:
     repetition: int
-    reply: Reply
+    reply: ReplyMany
     fail: Fail
+    want: int = 1
 
 
 class SplitFeed:
@@ -85,6 +97,7 @@ class SplitFeed:
         self._latency_s: float | None = None
         self._interval_s: float | None = None
         self._last_request = 0.0
+        self._last_want = 1
         self._lock = threading.Lock()
         self._stock: deque[Split] = deque()
         self._waiters: deque[_Waiter] = deque()
@@ -100,15 +113,32 @@ class SplitFeed:
     def request(self, repetition: int, finished: FinishedSplit | None,
                 reply: Reply, fail: Fail) -> None:
         """A replica wants its next split of `repetition`, having finished `finished`."""
+        self.request_many(repetition, finished,
+                          lambda splits: reply(splits[0] if splits else None), fail)
+
+    def request_many(self, repetition: int, finished: FinishedSplit | None,
+                     reply: ReplyMany, fail: Fail, want: int = 1) -> None:
+        """A replica wants up to `want` next splits of `repetition` (one reply with at least
+        one, or none at the end), having finished `finished`."""
         now = time.monotonic()
         with self._lock:
-            if self._last_request:
-                self._interval_s = _ewma(self._interval_s, now - self._last_request)
-            self._last_request = now
+            if self._last_request:  # per split: the last request asked for _last_want
+                self._interval_s = _ewma(self._interval_s,
+                                         (now - self._last_request) / self._last_want)
+            want = max(1, min(want, self._depth))  # a replica holds no more than the stock
+            self._last_request, self._last_want = now, want
             if finished is not None:
                 self._reports.append(finished)
             self._wanted_repetition = max(self._wanted_repetition, repetition)
-            self._waiters.append(_Waiter(repetition, reply, fail))
+            self._waiters.append(_Waiter(repetition, reply, fail, want))
+            actions = self._settle_locked()
+        _run(actions)
+
+    def report(self, finished: FinishedSplit) -> None:
+        """A replica finished `finished` and goes on with a split it holds (no ask): the report
+        rides on the next fetch (or goes at once after the end, for the waiters)."""
+        with self._lock:
+            self._reports.append(finished)
             actions = self._settle_locked()
         _run(actions)
 
@@ -132,16 +162,15 @@ class SplitFeed:
             return actions
         while self._waiters:
             waiter = self._waiters[0]
-            split = self._take_for(waiter.repetition)
-            if split is not None:
-                split = dataclasses.replace(split, handed=self._handed)
+            splits: list[Split] = []
+            while len(splits) < waiter.want and (
+                    split := self._take_for(waiter.repetition)) is not None:
+                splits.append(Split(split.index, split.skip, split.repetition, self._handed))
                 self._handed += 1
-                actions.append(lambda w=waiter, s=split: w.reply(s))
-            elif (self._ended_repetition >= waiter.repetition and not self._reports
-                  and not self._in_flight):
-                actions.append(lambda w=waiter: w.reply(None))
-            else:
+            if not splits and not (self._ended_repetition >= waiter.repetition
+                                   and not self._reports and not self._in_flight):
                 break
+            actions.append(functools.partial(waiter.reply, splits))
             self._waiters.popleft()
         if self._in_flight:
             return actions
@@ -149,7 +178,7 @@ class SplitFeed:
         ended = self._ended_repetition >= min(
             [self._wanted_repetition, *(w.repetition for w in self._waiters)])
         target = self._target_stock()
-        missing = len(self._waiters) + target - len(self._stock)
+        missing = sum(w.want for w in self._waiters) + target - len(self._stock)
         # Refill once the stock is down to half, for all that is missing: each request then
         # carries several splits (fewer round trips and fsyncs), and waiters (only left when
         # the stock has nothing for them) are always asked for.
@@ -176,10 +205,11 @@ class SplitFeed:
         return None
 
     def _target_stock(self) -> int:
-        """Splits to keep in stock: enough for twice a request's latency, at most `depth`."""
+        """Splits to keep in stock: enough for twice a request's latency and at least
+        MIN_STOCK_S of the replicas' work, at most `depth`."""
         if self._latency_s is None or not self._interval_s:
             return min(self._depth, 2)
-        need = math.ceil(2 * self._latency_s / self._interval_s) + 1
+        need = math.ceil(max(2 * self._latency_s, MIN_STOCK_S) / self._interval_s) + 1
         return max(0, min(self._depth, need))
 
     # ------------------------------------------------------------------ fetching

@@ -47,6 +47,18 @@ logger = logging.getLogger(__name__)
 # Elements a replica may have made and not yet handed out (the executor also caps their bytes):
 # enough for several full fetches of tiny elements, so a fetch is not limited to a few of them.
 CREDITS_PER_REPLICA = 1024
+# A task keeps at most this part of a repetition's splits in stock (and hands at most as many
+# to a replica at once): a worker that joins mid-epoch, or another at the epoch's end, finds
+# splits left however cheap they were so far.
+STOCK_EPOCH_PART = 1 / 16
+
+
+def stock_depth(split_prefetch: int, num_splits: int) -> int:
+    """The split feed's depth: WorkerConfig.split_prefetch, at most STOCK_EPOCH_PART of the
+    repetition's splits (when known)."""
+    if num_splits <= 0:
+        return split_prefetch
+    return min(split_prefetch, max(1, int(num_splits * STOCK_EPOCH_PART)))
 
 
 @dataclass
@@ -119,7 +131,7 @@ class TaskManager:
         num_executors: int,
         # The front's cache of dataset definitions: drop one (see _release_unused).
         forget_dataset: Callable[[str], None] = lambda dataset_id: None,
-        split_prefetch: int = 16,  # WorkerConfig.split_prefetch
+        split_prefetch: int = 64,  # WorkerConfig.split_prefetch
         executor_torch_threads: int | None = 1,  # WorkerConfig.executor_torch_threads
     ) -> None:
         self._get_dataset = get_dataset
@@ -252,7 +264,7 @@ class TaskManager:
             elif plan.use_splits:
                 task.split_feed = SplitFeed(
                     functools.partial(self._get_split, definition), self._split_pool,
-                    self._split_prefetch)
+                    stock_depth(self._split_prefetch, dataset.num_splits))
             compression = "AUTO" if definition.compression else None
             task.replicas = [index % self._executors.size
                              for index in range(len(plan.replicas))]
@@ -464,24 +476,38 @@ class TaskManager:
                 if index is not None:
                     task.order.handed(replica, (repetition, index))
         if task.local_cursor is not None:
-            self._executors.send(slot, SplitReply(key, request_id, index))
+            self._executors.send(slot, SplitReply(
+                key, request_id, () if index is None else ((index, (), repetition),)))
             return
         if task.split_feed is None:
             self.on_error(key, TaskError("RuntimeError", "this task takes no splits", ""))
             return
 
-        def reply(split: Split | None) -> None:
-            if split is None:
-                self._executors.send(slot, SplitReply(key, request_id, None, (), repetition))
-            else:
-                with task.cond:
-                    task.order.handed(replica, (split.repetition, split.index), split.handed)
-                self._executors.send(slot, SplitReply(key, request_id, split.index, split.skip,
-                                                      split.repetition))
+        def reply(splits: list[Split]) -> None:
+            if splits:
+                with task.cond:  # numbered by the feed, which decides the hand-out order
+                    for split in splits:
+                        task.order.handed(replica, (split.repetition, split.index),
+                                          split.handed)
+            self._executors.send(slot, SplitReply(key, request_id, tuple(
+                (split.index, split.skip, split.repetition) for split in splits)))
 
-        task.split_feed.request(
-            repetition, request.finished, reply,
-            lambda kind, message: self.on_error(key, TaskError(kind, message, "")))
+        task.split_feed.request_many(
+            repetition, finished, reply,
+            lambda kind, message: self.on_error(key, TaskError(kind, message, "")),
+            request.want)
+
+    def on_split_done(self, key: ReplicaKey, finished: FinishedSplit) -> None:
+        """A replica finished a split and reads the next one it holds: the order moves on and
+        the report goes to the dispatcher with the feed's next request."""
+        task = self._task_for(key)
+        if task is None:
+            return
+        with task.cond:
+            self._release(task, task.order.finished(
+                key[1], (finished.repetition, finished.index)))
+        if task.split_feed is not None:
+            task.split_feed.report(finished)
 
     def on_executor_lost(self, slot: int) -> None:
         self.stages.lost(slot)
