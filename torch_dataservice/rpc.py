@@ -78,6 +78,21 @@ _channels: dict[tuple[str, str | None, Any], grpc.Channel] = {}
 _channels_lock = threading.Lock()
 
 
+_servers_started = False
+
+
+def note_server_started() -> None:
+    """A gRPC server of ours runs in this process (serving.py): see grpc_started."""
+    global _servers_started
+    _servers_started = True
+
+
+def grpc_started() -> bool:
+    """Whether a gRPC channel or server of ours ran in this process: gRPC's threads may run
+    (or come back), so the process must not be forked (worker/launch.py)."""
+    return _servers_started or bool(_channels)
+
+
 def channel_to(address: str) -> grpc.Channel:
     """A shared channel to `address` (one per address, token and TLS settings per process),
     carrying the fleet's token when one is set and over TLS when `TORCH_DATASERVICE_TLS_CA` is

@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from torch_dataservice import auth
 from torch_dataservice.config import WILDCARD_HOSTS, TLSConfig
-from torch_dataservice.rpc import SERVER_OPTIONS
+from torch_dataservice.rpc import SERVER_OPTIONS, note_server_started
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,7 @@ def start_grpc_server(
     """Start a gRPC server with `register(server)` adding the servicers; returns (server, port).
     With `tls`, it serves over TLS only (and requires client certificates given a CA)."""
     auth.check_bind(host, tls)
+    note_server_started()
     server = grpc.server(
         ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         options=SERVER_OPTIONS,

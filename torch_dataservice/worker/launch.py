@@ -54,6 +54,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Protocol
 
+from torch_dataservice import rpc
+
 START_ENV = "TORCH_DATASERVICE_EXECUTOR_START"
 FORKSERVER, INTERPRETER = "forkserver", "interpreter"
 # What the fork server imports before its first fork (missing optional ones are skipped).
@@ -111,15 +113,16 @@ def start_method() -> str:
 def start_fork_server_here(after_torch_ops: bool = False) -> bool:
     """Fork this process's fork server from this process, now (module docstring), if no other
     thread of ours or gRPC's runs: call it before this process starts any gRPC server or
-    channel. Where one runs nothing happens and the fork server is exec'd later, as in any
+    channel. Where one may run nothing happens and the fork server is exec'd later, as in any
     other process: a Python thread (our servers and clients run threads; so does pytest's
-    timeout), or gRPC's own (a channel used before leaves them; they have names, the BLAS and
-    OpenMP pools of numpy and torch do not). A process that initialized CUDA is not forked
-    either. `after_torch_ops`: this process may have run torch ops (a training script), so
-    torch's OpenMP pool may be among its threads (see start_executor). True if it forked it."""
+    timeout), a gRPC channel or server of ours made before (rpc.grpc_started), or threads of
+    another library's gRPC while they run (they have names; the BLAS and OpenMP pools of
+    numpy and torch do not). A process that initialized CUDA is not forked either.
+    `after_torch_ops`: this process may have run torch ops (a training script), so torch's
+    OpenMP pool may be among its threads (see start_executor). True if it forked it."""
     if (start_method() != FORKSERVER or threading.active_count() > 1
             or threading.current_thread() is not threading.main_thread()
-            or _named_threads() or _cuda_initialized()):
+            or rpc.grpc_started() or _named_threads() or _cuda_initialized()):
         return False
     shared_fork_server().boot_here(threaded=after_torch_ops and _native_threads() > 1)
     return True
