@@ -3,9 +3,7 @@
 A `DataPortPool` keeps connections per worker target, each used by one fetch at a time. A reply's
 header and small payloads come through one receive buffer; every big payload is received
 straight into a buffer of its own (`np.empty` + `recv_into`: writable, 16-byte aligned), which
-`codec.decode(..., borrow=True)` turns into the tensors' memory without another copy. Plain
-sockets block with kernel timeouts, so that payload comes in one `recv(MSG_WAITALL)` rather than
-a poll() and a recv() per chunk (less CPU per byte on the reader, the busiest process).
+`codec.decode(..., borrow=True)` turns into the tensors' memory without another copy.
 
 Errors: `OSError` (refused connection, reset, timeout) and `EOFError` mean the worker is
 unreachable, like a retryable gRPC error; `LookupError` means the worker does not know the task
@@ -22,8 +20,6 @@ from __future__ import annotations
 
 import os
 import socket
-import ssl
-import struct
 import threading
 from typing import Any
 
@@ -105,11 +101,10 @@ class Connection:
                 raise DataPortError(
                     f"worker data port {where} refused the connection: missing or wrong "
                     f"{auth.TOKEN_ENV} token")
-            self._waitall = _use_kernel_timeouts(sock, timeout_s)
+            sock.settimeout(timeout_s)
         except BaseException:
             sock.close()
             raise
-        self._timeout_s = timeout_s
         self._buffer = bytearray(_RECV_BUFFER)
         self._view = memoryview(self._buffer)
         self._start = self._end = 0  # buffered, not yet consumed bytes
@@ -119,14 +114,6 @@ class Connection:
 
     def fetch(self, request: worker_pb2.GetElementsRequest
               ) -> tuple[worker_pb2.ElementBatchHeader, list[Any]]:
-        try:
-            return self._fetch(request)
-        except BlockingIOError as error:  # SO_RCVTIMEO / SO_SNDTIMEO ran out
-            raise TimeoutError(f"the worker's data port did not answer within "
-                               f"{self._timeout_s:g} s") from error
-
-    def _fetch(self, request: worker_pb2.GetElementsRequest
-               ) -> tuple[worker_pb2.ElementBatchHeader, list[Any]]:
         data = request.SerializeToString()
         self._sock.sendall(LENGTH.pack(len(data)) + data)
         status, length = STATUS_LENGTH.unpack(self._read(STATUS_LENGTH.size))
@@ -175,26 +162,10 @@ class Connection:
         target[:filled] = self._view[self._start:self._start + filled]
         self._start += filled
         while filled < target.nbytes:
-            n = self._sock.recv_into(target[filled:], 0, self._waitall)
+            n = self._sock.recv_into(target[filled:])
             if n == 0:
                 raise EOFError("the worker closed the data connection mid-reply")
             filled += n
-
-
-def _use_kernel_timeouts(sock: socket.socket, timeout_s: float) -> int:
-    """Make `sock` blocking with the kernel's timeouts (SO_RCVTIMEO/SO_SNDTIMEO, raising
-    BlockingIOError) instead of Python's (a poll() before every recv): the recv flags for a
-    big payload, MSG_WAITALL, which then arrives in one call. TLS sockets keep Python's
-    timeout (they take no flags): 0."""
-    if isinstance(sock, ssl.SSLSocket):
-        sock.settimeout(timeout_s)
-        return 0
-    sock.settimeout(None)
-    seconds = int(timeout_s)
-    timeval = struct.pack("ll", seconds, int((timeout_s - seconds) * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-    return socket.MSG_WAITALL
 
 
 def _connect_tcp(host: str, port: int) -> socket.socket:
