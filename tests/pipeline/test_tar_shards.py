@@ -3,6 +3,8 @@ a truncated or damaged shard is an error naming it and the byte offset."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import re
 import tarfile
@@ -178,3 +180,27 @@ def test_a_damaged_shard_fails_the_read_through_the_service(
         tds.distribute(tds.ShardingPolicy.DYNAMIC, cluster.target))
     with pytest.raises(tds.RemoteError, match=r"shard-001\.tar.*truncated at byte offset 3000"):
         list(distributed)
+
+
+@pytest.mark.integration
+def test_a_loader_resumes_a_tar_shard_epoch_with_exactly_the_rest(
+        tmp_path: Path, cluster_factory) -> None:
+    """Samples, each tagged with its shard and its position in it. (Batches of the loader's
+    own span shards, which makes its state approximate: see torch/iterable_state.py.)"""
+    counts = [9, 4, 11, 6, 7]
+    write_shards(tmp_path, counts)
+    cluster = cluster_factory(1)
+    pipeline = tds.Pipeline.from_tar_shards(str(tmp_path / "*.tar")).map(
+        lambda s: int(s["__key__"][1:4]) * 1000 + int(s["cls"]))
+    everything = sorted(shard * 1000 + i for shard, count in enumerate(counts)
+                        for i in range(count))
+    loader = tds.DataLoader(pipeline, batch_size=None, service=cluster.target)
+    it = iter(loader)
+    before = [int(x) for x in itertools.islice(it, 15)]  # in the middle of a shard
+    state = json.loads(json.dumps(loader.state_dict()))
+    assert state["in_progress"] and state["consumed"]
+    del it
+    resumed = tds.DataLoader(pipeline, batch_size=None, service=cluster.target)
+    resumed.load_state_dict(state)
+    after = [int(x) for x in resumed]
+    assert sorted(before + after) == everything and len(before + after) == len(everything)
