@@ -6,45 +6,33 @@ wrong failing where the pipeline is registered, naming the URL."""
 
 from __future__ import annotations
 
-import functools
 import subprocess
 import sys
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO, ProcessCluster, wait_until
-from tests.integration.object_store import S3Server
-from tests.pipeline.tar_support import numbered_samples, shard_bytes
+from tests.integration.object_store import (
+    BIG_SAMPLE_BYTES,
+    BUCKET,
+    FILES,
+    SHARDS,
+    S3Server,
+    assert_one_epoch,
+    big_shard,
+    expected_samples,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
-
-SHARDS, PER_SHARD = 8, 40
-FILES = 6
-BIG_SAMPLE_BYTES = 3 << 20
 
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     server = S3Server(tmp_path_factory.mktemp("s3"))
-    try:
-        for shard in range(SHARDS):
-            server.put(f"shards/{shard:03d}.tar",
-                       shard_bytes(numbered_samples(shard, PER_SHARD, image_bytes=2000)))
-        for i in range(FILES):
-            server.put(f"files/{i}.bin", bytes(100 * (i + 1)))
-        server.put("big/000.tar", big_shard())
-        server.enforce_auth()
-        yield server
-    finally:
-        server.stop()
-
-
-@functools.cache
-def big_shard() -> bytes:
-    return shard_bytes(numbered_samples(0, 10, image_bytes=BIG_SAMPLE_BYTES))
+    yield server
+    server.stop()
 
 
 def start_reader(cluster: ProcessCluster, s3: S3Server, source: str, url: str, out: Path,
@@ -69,32 +57,24 @@ def lines_in(out: Path) -> int:
     return out.read_text().count("\n") if out.exists() else 0
 
 
-def expected_samples() -> list[str]:
-    return [f"{key} 2000" for shard in range(SHARDS) for key in numbered_samples(shard, PER_SHARD)]
-
-
 @pytest.mark.slow
 def test_an_epoch_is_read_exactly_once_through_a_worker_killed_mid_shard(
         process_cluster: ProcessCluster, s3: S3Server, tmp_path: Path) -> None:
     process_cluster.env = s3.env()
     dispatcher = process_cluster.start_dispatcher("--worker-timeout-ms", "1000")
     workers = [process_cluster.start_worker() for _ in range(2)]
-    mark = len(s3.requests())
+    mark = len(s3.recording.requests())
     out = tmp_path / "out.txt"
     # Read slower than the workers make samples: their buffers fill and each one waits in the
     # middle of a shard, so the killed worker surely holds one.
-    reader = start_reader(process_cluster, s3, "tar", f"s3://{s3.bucket}/shards/*.tar", out,
+    reader = start_reader(process_cluster, s3, "tar", f"s3://{BUCKET}/shards/*.tar", out,
                           max_rate=60)
     wait_until(lambda: lines_in(out) >= 60 or reader.poll() is not None, 120,
                "the trainer's first 60 samples")
     workers[0].kill()  # not restarted: declared dead after 1 s, its shards handed again
-    got = finish(reader, out)
-    duplicated = {s: n for s, n in Counter(got).items() if n > 1}
-    missing = set(expected_samples()) - set(got)
-    assert not duplicated and not missing and len(got) == SHARDS * PER_SHARD, (
-        f"duplicated {duplicated}, missing {sorted(missing)[:10]} ({len(missing)})")
+    assert_one_epoch(finish(reader, out))
     assert "requeued" in dispatcher.output, dispatcher.output[-3000:]
-    assert len(s3.listings(mark)) == 1, s3.listings(mark)
+    assert len(s3.recording.listings(mark)) == 1, s3.recording.listings(mark)
 
 
 @pytest.mark.slow
@@ -104,33 +84,33 @@ def test_one_listing_per_registration_whatever_the_workers_and_executors(
     process_cluster.start_dispatcher()
     for _ in range(2):
         process_cluster.start_worker(processes=2)
-    cases = [("tar", f"s3://{s3.bucket}/shards/*.tar", sorted(expected_samples()),
+    cases = [("tar", f"s3://{BUCKET}/shards/*.tar", sorted(expected_samples()),
               {f"shards/{i:03d}.tar" for i in range(SHARDS)}),
-             ("files", f"s3://{s3.bucket}/files/*.bin",
-              [f"s3://{s3.bucket}/files/{i}.bin {100 * (i + 1)}" for i in range(FILES)],
+             ("files", f"s3://{BUCKET}/files/*.bin",
+              [f"s3://{BUCKET}/files/{i}.bin {100 * (i + 1)}" for i in range(FILES)],
               {f"files/{i}.bin" for i in range(FILES)})]
     for source, url, expected, objects in cases:
-        mark = len(s3.requests())
+        mark = len(s3.recording.requests())
         out = tmp_path / f"{source}.txt"
         got = finish(start_reader(process_cluster, s3, source, url, out), out)
         assert sorted(got) == expected
-        listings = s3.listings(mark)
+        listings = s3.recording.listings(mark)
         assert len(listings) == 1 and "list-type=2" in listings[0], listings
         # The workers read every object from the store (tds.read_bytes for list_files).
-        assert {key for key, _ in s3.object_reads(mark)} == objects
+        assert {key for key, _ in s3.recording.object_reads(mark)} == objects
 
 
 def test_a_shard_streams_from_the_store(s3: S3Server) -> None:
     """The first sample of a 30 MB shard comes after fetching a few blocks, not the shard."""
-    mark = len(s3.requests())
+    mark = len(s3.recording.requests())
     code = ("import torch_dataservice as tds\n"
-            f"sample = next(iter(tds.Pipeline.from_tar_shards('s3://{s3.bucket}/big/*.tar')))\n"
+            f"sample = next(iter(tds.Pipeline.from_tar_shards('s3://{BUCKET}/big/*.tar')))\n"
             "print(sample['__key__'], len(sample['jpg']))\n")
     run = subprocess.run([sys.executable, "-c", code], env=s3.env(), cwd=str(REPO),
                          capture_output=True, text=True, timeout=120)
     assert run.stdout.split() == ["s000/00000", str(BIG_SAMPLE_BYTES)], run.stderr
     fetched = 0
-    for key, byte_range in s3.object_reads(mark):
+    for key, byte_range in s3.recording.object_reads(mark):
         assert key == "big/000.tar" and byte_range is not None, (key, byte_range)
         first, last = byte_range.removeprefix("bytes=").split("-")
         fetched += int(last) - int(first) + 1
@@ -141,7 +121,7 @@ def test_a_shard_streams_from_the_store(s3: S3Server) -> None:
                                                     ("missing", "NoCredentialsError")])
 def test_credentials_missing_or_wrong_fail_at_registration_naming_the_url(
         s3: S3Server, credentials: str, error: str) -> None:
-    url = f"s3://{s3.bucket}/shards/*.tar"
+    url = f"s3://{BUCKET}/shards/*.tar"
     code = ("import torch_dataservice as tds\n"
             f"pipeline = tds.Pipeline.from_tar_shards({url!r})\n"
             "tds.register_dataset('grpc://127.0.0.1:1', pipeline)\n")

@@ -20,8 +20,17 @@ STREAM_BLOCK_BYTES = 8 << 20
 
 _filesystems: dict[str, Any] = {}
 _lock = threading.Lock()
-# A forked child must not reuse its parent's connections (fsspec resets its own loop then too).
-os.register_at_fork(after_in_child=_filesystems.clear)
+
+
+def _forget_in_child() -> None:
+    """A forked child must not reuse its parent's connections (fsspec resets its own loop then
+    too), nor wait on a lock a parent's thread held at the fork."""
+    global _lock
+    _filesystems.clear()
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def protocol_of(path_or_url: str) -> str | None:
