@@ -113,9 +113,8 @@ def shard_files(pipeline: Pipeline, num_shards: int, index: int) -> Pipeline:
     source = pipeline.source
     if not isinstance(source, FilesSource):
         raise ValueError(
-            f"FILE sharding needs a list_files or from_tar_shards source, got "
-            f"{source.describe()}; "
-            "use DATA or FILE_OR_DATA sharding"
+            "FILE sharding needs a list_files or from_tar_shards source, got "
+            f"{source.describe()}; use DATA or FILE_OR_DATA sharding"
         )
     positions = shard_slice(num_shards, index)
     if len(source.files) < num_shards:

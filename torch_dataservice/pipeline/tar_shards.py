@@ -125,6 +125,8 @@ def _pax_records(data: bytes, url: str, offset: int) -> dict[str, str]:
         while position < len(data) and data[position]:
             space = data.index(b" ", position)
             length = int(data[position:space])
+            if length <= space - position:  # would not move on: a loop, not a record
+                raise ValueError(f"record length {length}")
             key, _, value = data[space + 1:position + length - 1].partition(b"=")
             records[key.decode()] = value.decode("utf-8", "surrogateescape")
             position += length
