@@ -28,6 +28,7 @@ _EXPORTS = {
     "VersionMismatchError": "torch_dataservice.errors",
     "SHARD_HINT": "torch_dataservice.pipeline",
     "Pipeline": "torch_dataservice.pipeline",
+    "read_bytes": "torch_dataservice.pipeline.storage",
     "WorkerServer": "torch_dataservice.worker.server",
     "DataLoader": "torch_dataservice.torch.dataloader",
 }
@@ -47,6 +48,7 @@ __all__ = [
     "WorkerServer",
     "distribute",
     "from_dataset_id",
+    "read_bytes",
     "register_dataset",
 ]
 
@@ -62,6 +64,7 @@ if TYPE_CHECKING:
     from torch_dataservice.dispatcher.server import DispatchServer
     from torch_dataservice.errors import RemoteError, VersionMismatchError
     from torch_dataservice.pipeline import SHARD_HINT, Pipeline
+    from torch_dataservice.pipeline.storage import read_bytes
     from torch_dataservice.torch.dataloader import DataLoader
     from torch_dataservice.worker.server import WorkerServer
 

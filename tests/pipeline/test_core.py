@@ -24,7 +24,7 @@ def test_queries_describe_the_source() -> None:
     pipeline = Pipeline.range(1000).map(abs)
     assert pipeline.is_splittable and pipeline.num_splits == 143
     assert isinstance(pipeline.source, RangeSource) and pipeline.split_size == 7
-    with pytest.raises(ValueError, match="only a list_files source has files"):
+    with pytest.raises(ValueError, match="only a list_files or from_tar_shards source has files"):
         _ = pipeline.files
     resized = pipeline.with_split_size(5)
     assert resized.num_splits == 200 and pipeline.num_splits == 143

@@ -68,7 +68,8 @@ def _validate_static(policy: ShardingPolicy, config: common_pb2.JobConfig,
     num_workers = len(worker_addresses)
     if policy == ShardingPolicy.FILE and not dataset.file_based:
         raise ValueError(
-            "sharding policy FILE needs a list_files source; use DATA or FILE_OR_DATA"
+            "sharding policy FILE needs a list_files or from_tar_shards source; use DATA or "
+            "FILE_OR_DATA"
         )
     file_policy = policy in (ShardingPolicy.FILE, ShardingPolicy.FILE_OR_DATA)
     if file_policy and dataset.file_based and dataset.num_files < num_workers:

@@ -20,6 +20,7 @@ from torch_dataservice.pipeline.prefetch import Prefetch
 from torch_dataservice.pipeline.sharding import Shard
 from torch_dataservice.pipeline.sources import (
     DatasetSource,
+    FilesSource,
     ItemsSource,
     IterableSource,
     ListFilesSource,
@@ -28,6 +29,7 @@ from torch_dataservice.pipeline.sources import (
     SplittableSource,
     resolve_files,
 )
+from torch_dataservice.pipeline.tar_shards import TarShardsSource
 from torch_dataservice.pipeline.transforms import (
     Batch,
     Filter,
@@ -47,8 +49,8 @@ from torch_dataservice.pipeline.transforms import (
 class Pipeline(IterableDataset):
     """A lazily described input pipeline; every transform returns a new Pipeline.
 
-    Build one with a source (`Pipeline.range`, `from_items`, `list_files`, `from_dataset`,
-    `from_iterable`) rather than the constructor.
+    Build one with a source (`Pipeline.range`, `from_items`, `list_files`, `from_tar_shards`,
+    `from_dataset`, `from_iterable`) rather than the constructor.
     """
 
     def __init__(self, source: Source, transforms: Iterable[Transform] = ()) -> None:
@@ -82,9 +84,23 @@ class Pipeline(IterableDataset):
         shuffle: bool = False,
         seed: int | None = None,
     ) -> Pipeline:
-        """File paths matching the glob pattern(s), resolved now; sorted, or permuted once
-        (deterministically when `seed` is given) if `shuffle`."""
+        """Local paths, or fsspec URLs (`s3://...`), matching the glob pattern(s), listed now
+        (once: the list travels with the pipeline); sorted, or permuted once (deterministically
+        when `seed` is given) if `shuffle`."""
         return cls(ListFilesSource(resolve_files(pattern_or_paths, shuffle, seed)))
+
+    @classmethod
+    def from_tar_shards(
+        cls,
+        urls_or_pattern: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        shuffle: bool = False,
+        seed: int | None = None,
+    ) -> Pipeline:
+        """Samples of tar shards in the WebDataset layout, as dicts `{"__key__", "__url__",
+        EXT: bytes, ...}`; the shards are listed now, as `list_files` lists, and each shard
+        is a split (DYNAMIC) or a file (FILE sharding)."""
+        files = resolve_files(urls_or_pattern, shuffle, seed, what="from_tar_shards")
+        return cls(TarShardsSource(files))
 
     @classmethod
     def from_dataset(cls, dataset: Any) -> Pipeline:
@@ -188,12 +204,13 @@ class Pipeline(IterableDataset):
 
     @property
     def is_file_based(self) -> bool:
-        return isinstance(self._source, ListFilesSource)
+        return isinstance(self._source, FilesSource)
 
     @property
     def files(self) -> list[str]:
-        if not isinstance(self._source, ListFilesSource):
-            raise ValueError(f"only a list_files source has files, not {self._source.describe()}")
+        if not isinstance(self._source, FilesSource):
+            raise ValueError("only a list_files or from_tar_shards source has files, not "
+                             f"{self._source.describe()}")
         return list(self._source.files)
 
     @property

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from torch_dataservice.pipeline._checks import check_int
 from torch_dataservice.pipeline.context import ExecutionContext
-from torch_dataservice.pipeline.sources import ListFilesSource
+from torch_dataservice.pipeline.sources import FilesSource
 from torch_dataservice.pipeline.transforms import Transform, Upstream, close_iterator
 from torch_dataservice.policies import ShardingPolicy
 
@@ -109,12 +109,12 @@ class Shard(Transform):
 
 
 def shard_files(pipeline: Pipeline, num_shards: int, index: int) -> Pipeline:
-    """FILE sharding: the list_files source keeps files[index::num_shards]."""
+    """FILE sharding: the list_files (or tar shards) source keeps files[index::num_shards]."""
     source = pipeline.source
-    if not isinstance(source, ListFilesSource):
+    if not isinstance(source, FilesSource):
         raise ValueError(
-            f"FILE sharding needs a list_files source, got {source.describe()}; "
-            "use DATA or FILE_OR_DATA sharding"
+            "FILE sharding needs a list_files or from_tar_shards source, got "
+            f"{source.describe()}; use DATA or FILE_OR_DATA sharding"
         )
     positions = shard_slice(num_shards, index)
     if len(source.files) < num_shards:

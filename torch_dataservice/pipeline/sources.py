@@ -2,13 +2,13 @@
 
 Splittable sources describe their elements as `num_elements` items addressed by index and cut into
 contiguous splits of `split_size` items. Without a split provider they produce everything; with one,
-they produce exactly the splits the provider hands out (DYNAMIC sharding).
+they produce exactly the splits the provider hands out (DYNAMIC sharding). An item is one element,
+except in a source of files of many elements each (tar shards): there an item is a file.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
 import random
 from abc import ABC, abstractmethod
@@ -22,6 +22,7 @@ from torch.utils.data import IterableDataset
 
 from torch_dataservice.pipeline._checks import callable_name, check_int, check_optional_int
 from torch_dataservice.pipeline.context import ExecutionContext
+from torch_dataservice.pipeline.storage import glob
 
 #: Splits are capped so that a worker asks the dispatcher for more work often enough to balance
 #: load, and floored at 1/128 of the source so small sources still spread over many workers.
@@ -57,6 +58,8 @@ class SplittableSource(Source):
     """A source of `num_elements` indexable elements, cut into contiguous splits."""
 
     splittable = True
+    #: False where an item is a file of many elements: `num_elements` then counts files.
+    one_element_per_item = True
 
     #: Elements per split; None picks `default_split_size(num_elements)`.
     split_size: int | None = field(default=None, kw_only=True)
@@ -73,11 +76,11 @@ class SplittableSource(Source):
     @property
     @abstractmethod
     def num_elements(self) -> int:
-        """How many elements one full pass produces."""
+        """How many items (elements, see `one_element_per_item`) one full pass produces."""
 
     @abstractmethod
     def elements(self, start: int, stop: int) -> Iterator[Any]:
-        """Elements with indices in [start, stop)."""
+        """The elements of the items with indices in [start, stop)."""
 
     @property
     def num_splits(self) -> int:
@@ -208,20 +211,22 @@ def resolve_files(
     pattern_or_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     shuffle: bool = False,
     seed: int | None = None,
+    what: str = "list_files",
 ) -> tuple[str, ...]:
-    """Expand glob patterns once, eagerly, so every worker sees the same file list."""
+    """Expand glob patterns (local, or fsspec URLs) once, eagerly, so every worker sees the same
+    file list: the list, not the pattern, travels in the pipeline."""
     if isinstance(pattern_or_paths, (str, os.PathLike)):
         patterns = [os.fspath(pattern_or_paths)]
     else:
         patterns = [os.fspath(p) for p in pattern_or_paths]
         if not patterns:
-            raise ValueError("list_files got an empty list of patterns")
+            raise ValueError(f"{what} got an empty list of patterns")
     seed = check_optional_int("seed", seed)
     files: set[str] = set()
     for pattern in patterns:
-        matches = glob.glob(pattern)
+        matches = glob(pattern)
         if not matches:
-            raise ValueError(f"list_files: no files match pattern {pattern!r}")
+            raise ValueError(f"{what}: no files match pattern {pattern!r}")
         files.update(matches)
     ordered = sorted(files)
     if shuffle:
@@ -230,8 +235,9 @@ def resolve_files(
 
 
 @dataclass(frozen=True, eq=False, repr=False)
-class ListFilesSource(SplittableSource):
-    """File paths; each split is `split_size` files (1 by default)."""
+class FilesSource(SplittableSource):
+    """A resolved list of files (paths or URLs): one file per split unless chosen otherwise,
+    and FILE sharding gives a worker files[index::num_workers]."""
 
     file_based = True
 
@@ -243,6 +249,11 @@ class ListFilesSource(SplittableSource):
     @property
     def num_elements(self) -> int:
         return len(self.files)
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class ListFilesSource(FilesSource):
+    """The files' paths or URLs themselves."""
 
     def elements(self, start: int, stop: int) -> Iterator[str]:
         return iter(self.files[start:stop])

@@ -102,9 +102,11 @@ def _resume(loader: Any) -> Resume | None:
 def aligned(dataset: Pipeline, batch_size: int | None) -> Pipeline:
     """`dataset` with its default split size rounded up to a multiple of `batch_size`, so
     that the workers' batches of an element-wise chain never span two splits (the state is
-    then exact, see the module docstring). A split size the user chose is kept."""
+    then exact, see the module docstring). A split size the user chose is kept, and so is a
+    split of files of many elements each (tar shards), which no batch size divides."""
     source = dataset.source
-    if not batch_size or not isinstance(source, SplittableSource):
+    if (not batch_size or not isinstance(source, SplittableSource)
+            or not source.one_element_per_item):
         return dataset
     size = source.split_size or 1
     if size % batch_size == 0 or size != default_split_size(source.num_elements):
