@@ -285,8 +285,15 @@ def kernel_costs(paths: list[str], count: int) -> dict[str, float]:
         with open(path, "rb") as f:
             blobs.append(f.read())
     costs = {}
-    for name, fn in (("pil_full", image_ops.train_transform),
-                     ("pil_draft", image_ops.fast_train_transform)):
+    kernels = [("pil_full", image_ops.train_transform),
+               ("pil_draft", image_ops.fast_train_transform)]
+    try:
+        import simplejpeg  # noqa: F401
+
+        kernels.append(("simplejpeg_draft", image_ops.turbo_train_transform))
+    except ImportError:
+        print("(simplejpeg is not installed: no simplejpeg_draft row)")
+    for name, fn in kernels:
         torch.manual_seed(0)
         fn(blobs[0])
         start = time.process_time()
@@ -299,6 +306,8 @@ def kernel_costs(paths: list[str], count: int) -> dict[str, float]:
 TF_KERNELS = r'''
 import json, sys, time
 import tensorflow as tf
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(1)
 paths = sys.argv[1:]
 blobs = [open(p, "rb").read() for p in paths]
 def rrc(data):
@@ -313,7 +322,6 @@ def rrc(data):
     return tf.transpose(tf.cast(image, tf.uint8), (2, 0, 1))
 fn = tf.function(rrc)
 fn(tf.constant(blobs[0]))
-tf.config.threading.set_intra_op_parallelism_threads(1)
 start = time.process_time()
 for b in blobs:
     fn(tf.constant(b))
@@ -403,6 +411,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None, help="rounds of every case")
     parser.add_argument("--only", default="equal,disagg,kernels",
                         help="comma-separated groups: equal, disagg, kernels")
+    parser.add_argument("--cases", default=None,
+                        help="comma-separated case names to keep (the first is the baseline)")
     parser.add_argument("--step-ms", type=float, default=100.0,
                         help="the simulated GPU step per batch of 64 (disagg)")
     parser.add_argument("--seed", type=int, default=0, help="the synthetic images' seed")
@@ -440,6 +450,11 @@ def main() -> None:
         rows.append({"group": "kernels", **costs})
     for group in (g for g in groups if g != "kernels"):
         chosen = cases(group, cores)
+        if args.cases:
+            keep = args.cases.split(",")
+            chosen = [case for case in chosen if case.name in keep]
+            if not chosen:
+                raise ValueError(f"--cases {args.cases!r} names no case of group {group!r}")
         runs: dict[str, list[dict]] = {case.name: [] for case in chosen}
         for round_number in range(rounds):
             order = chosen[round_number % len(chosen):] + chosen[:round_number % len(chosen)]

@@ -11,6 +11,8 @@ Two paths give the same distribution of crops:
   of a large image costs a fraction of a full decode. This is the CPU counterpart of DALI's
   region-of-interest decode. Pixels differ slightly from the full decode (the downscale happens
   in the DCT domain), the crops' positions, sizes and flips are drawn identically.
+- `turbo_train_transform(data)`: the draft path through simplejpeg (an optional package),
+  whose libjpeg-turbo build also takes the fast integer DCT and fast chroma upsampling.
 
 Randomness comes from torch's global generator, as torchvision's does, so DataLoader worker
 seeding (and `tds.DataLoader`'s per-batch seeds) applies. Copy this file into your project.
@@ -88,6 +90,21 @@ def fast_train_transform(data: bytes) -> torch.Tensor:
     image = image.convert("RGB")
     sx, sy = image.size[0] / width, image.size[1] / height
     return _finish(image, (left * sx, top * sy, (left + w) * sx, (top + h) * sy))
+
+
+def turbo_train_transform(data: bytes) -> torch.Tensor:
+    """The draft path through simplejpeg (`pip install simplejpeg`: libjpeg-turbo with its fast
+    integer DCT and fast chroma upsampling, scaled on decode); Pillow for the resize."""
+    import simplejpeg
+
+    width, height, _, _ = simplejpeg.decode_jpeg_header(data)
+    left, top, w, h = crop_box(width, height)
+    pixels = simplejpeg.decode_jpeg(
+        data, "RGB", fastdct=True, fastupsample=True,
+        min_height=math.ceil(height * SIZE / h), min_width=math.ceil(width * SIZE / w))
+    sx, sy = pixels.shape[1] / width, pixels.shape[0] / height
+    return _finish(Image.fromarray(pixels), (left * sx, top * sy, (left + w) * sx,
+                                             (top + h) * sy))
 
 
 def eval_transform(data: bytes, resize: int = 256) -> torch.Tensor:
