@@ -82,3 +82,29 @@ def test_local_without_a_worker_on_this_host_is_an_error(
     monkeypatch.setattr(local, "HOST_ID", "another-host")
     with pytest.raises(ValueError, match="run elsewhere"):
         read(cluster, "LOCAL")
+
+
+def test_a_dataloader_reads_the_workers_its_target_workers_names(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    targets: list[tuple] = []
+    real = reader_module.DataPortPool.fetch
+
+    def recording(self, target, request):
+        targets.append(target)
+        return real(self, target, request)
+
+    monkeypatch.setattr(reader_module.DataPortPool, "fetch", recording)
+    loader = tds.DataLoader(list(range(12)), batch_size=4, service=cluster.target,
+                            target_workers="ANY")
+    assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert targets and {t[0] for t in targets} == {"tcp"}
+    targets.clear()
+    local_loader = tds.DataLoader(list(range(12)), batch_size=4, service=cluster.target,
+                                  target_workers="LOCAL")
+    assert [b.tolist() for b in local_loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert not targets  # in-process workers: no data port at all
+
+
+def test_a_dataloader_refuses_an_unknown_target_workers_before_any_contact() -> None:
+    with pytest.raises(ValueError, match="'local'"):
+        tds.DataLoader(list(range(4)), service="grpc://127.0.0.1:1", target_workers="local")

@@ -92,7 +92,9 @@ class DataLoader(torch.utils.data.DataLoader):
       so every rank yields the same number of batches; `False` deals it out unevenly. (An
       iterable dataset's ranks read one coordinated job, which ends at a round boundary
       with either True or "pad".)
-    - `compression`, `max_outstanding_requests`: as in `tds.distribute`.
+    - `compression`, `max_outstanding_requests`, `target_workers`: as in `tds.distribute`
+      (`target_workers="LOCAL"` reads only workers on this host, over their Unix socket;
+      `"ANY"` reads every worker over TCP, as a remote trainer does).
 
     The dataset and `collate_fn` travel to the workers with cloudpickle (by value when they are
     defined in the training script), once, or again in an epoch where their pickle changed;
@@ -125,6 +127,7 @@ class DataLoader(torch.utils.data.DataLoader):
         even_batches: bool | str = True,
         compression: str | None = "AUTO",
         max_outstanding_requests: int | None = None,
+        target_workers: str = "AUTO",
     ) -> None:
         """torch's DataLoader arguments, then the service's (long: torch's signature)."""
         _check_worker_arguments(num_workers, prefetch_factor, persistent_workers)
@@ -145,7 +148,7 @@ class DataLoader(torch.utils.data.DataLoader):
 
         # Validated now, before any contact with the service.
         options = ReadOptions.build(processing_mode, service or "localhost:0", job_name, None,
-                                    None, max_outstanding_requests, None, "AUTO")
+                                    None, max_outstanding_requests, None, target_workers)
         if compression not in ("AUTO", None):
             raise ValueError(f"compression must be 'AUTO' or None, got {compression!r}")
         self._tds_policy = options.policy
@@ -167,7 +170,8 @@ class DataLoader(torch.utils.data.DataLoader):
         self._tds_registrar = Registrar(
             service, embedded_service, options.policy, job_name, compression,
             max_outstanding_requests, self._tds_ranks, self._tds_even != UNEVEN,
-            Registrar.new_iterable_number() if self._tds_iterable else -1)
+            Registrar.new_iterable_number() if self._tds_iterable else -1,
+            target_workers=options.target_workers)
 
         # Epochs. Seeded: an epoch's draw is a function of (seed, epoch), as with
         # DistributedSampler; otherwise the loader draws exactly as torch's, from the

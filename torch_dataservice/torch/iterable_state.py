@@ -121,7 +121,8 @@ class TaggedSource:
     def __init__(self, job: IterableJob, max_outstanding: int | None,
                  resume: ConsumedSplits | None) -> None:
         options = ReadOptions.build(job.policy, job.service, job.job_name, job.consumer_index,
-                                    job.num_consumers, max_outstanding, None, "AUTO")
+                                    job.num_consumers, max_outstanding, None,
+                                    job.target_workers)
         # Job names are scoped by dataset, as from_dataset_id scopes them.
         name = f"{job.dataset_id}/{job.job_name}" if job.job_name is not None else ""
         self._config = options.job_config(job.dataset_id, name)

@@ -65,6 +65,7 @@ class Registrar:
     ranks: RankInfo
     even: bool
     loader_number: int = -1
+    target_workers: str = "AUTO"  # as tds.distribute's: which workers this loader reads
     token: str | None = None
     passes: int = 0
     # (service, fingerprint, dataset id) of the FetchBatch registered as a shared object.
@@ -110,7 +111,8 @@ class Registrar:
             ref = self.fetch_ref(fetch, persistent=False)
             dataset_id = self._register_epoch(service, items, seeds, ref)
         return from_dataset_id(self.policy, service, dataset_id, job_name=self.user_job(epoch),
-                               max_outstanding_requests=self.max_outstanding)
+                               max_outstanding_requests=self.max_outstanding,
+                               target_workers=self.target_workers)
 
     def _register_epoch(self, service: Any, items: list[tuple[int, Any]], seeds: EpochSeeds,
                         ref: SharedObjectRef) -> str:
@@ -132,7 +134,8 @@ class Registrar:
         return from_dataset_id(job.policy, job.service, job.dataset_id, job_name=job.job_name,
                                consumer_index=job.consumer_index,
                                num_consumers=job.num_consumers,
-                               max_outstanding_requests=self.max_outstanding)
+                               max_outstanding_requests=self.max_outstanding,
+                               target_workers=self.target_workers)
 
     def iterable_job(self, pipeline: Pipeline, epoch: int) -> IterableJob:
         """Register an iterable epoch's pipeline and name the job that reads it."""
@@ -162,7 +165,8 @@ class Registrar:
                 consumer_index, num_consumers = ranks.rank, ranks.world_size
         dataset_id = register_dataset(service, pipeline, compression=self.compression,
                                       dataset_id=dataset_id)
-        return IterableJob(policy, service, dataset_id, job_name, consumer_index, num_consumers)
+        return IterableJob(policy, service, dataset_id, job_name, consumer_index, num_consumers,
+                           self.target_workers)
 
 
 @dataclass(frozen=True)
@@ -175,3 +179,4 @@ class IterableJob:
     job_name: str | None
     consumer_index: int | None
     num_consumers: int | None
+    target_workers: str = "AUTO"
