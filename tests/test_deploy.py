@@ -122,6 +122,7 @@ def test_the_image_pins_the_makefiles_torch_and_runs_as_non_root() -> None:
     assert 'ENTRYPOINT ["torch-dataservice"]' in dockerfile
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_slurm_scripts_server_commands_serve_an_epoch(tmp_path: Path) -> None:

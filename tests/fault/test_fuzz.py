@@ -12,6 +12,8 @@ import pytest
 
 from tests.conftest import REPO, subprocess_env
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("seed", [11, 12])
