@@ -25,6 +25,7 @@ test: setup
 
 lint: setup
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 protos: setup
 	$(PY) scripts/gen_protos.py

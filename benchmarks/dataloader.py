@@ -23,21 +23,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # run as a script from a checkout without installing
-    sys.path.insert(0, ROOT)
+import numpy as np
+import torch
+from _common import HERE, HOST, child_env, local_cluster, spawn_server, stop_servers
+from torch.utils.data import Dataset
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from torch.utils.data import Dataset  # noqa: E402
-
-import torch_dataservice as tds  # noqa: E402
+import torch_dataservice as tds
 
 TARGET_MS = 2.0
 BATCH = 32
@@ -89,46 +84,22 @@ def time_epoch(loader: torch.utils.data.DataLoader) -> tuple[int, float]:
     return count, time.perf_counter() - start
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def local_service(processes: int, subprocesses: bool) -> Iterator[str]:
     """`grpc://...` of a dispatcher and one worker with `processes` executor processes."""
     if not subprocesses:
-        dispatcher = tds.DispatchServer(tds.DispatcherConfig(host="127.0.0.1"))
-        worker = tds.WorkerServer(tds.WorkerConfig(dispatcher.address, host="127.0.0.1",
-                                                   num_processes=processes))
-        try:
+        with local_cluster(processes) as dispatcher:
             yield dispatcher.target
-        finally:
-            worker.stop()
-            dispatcher.stop()
         return
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in (ROOT, os.path.dirname(os.path.abspath(__file__)),
-                    os.environ.get("PYTHONPATH", "")) if p))
-    port = _free_port()
-    children = [subprocess.Popen(
-        [sys.executable, "-m", "torch_dataservice", "dispatcher", "--host", "127.0.0.1",
-         "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    children.append(subprocess.Popen(
-        [sys.executable, "-m", "torch_dataservice", "worker", "--dispatcher",
-         f"127.0.0.1:{port}", "--host", "127.0.0.1", "--processes", str(processes)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    env = child_env(HERE)  # the executors unpickle this script's dataset by reference
+    dispatcher, address = spawn_server(["dispatcher", "--host", HOST, "--port", "0"], env)
+    children = [dispatcher]
     try:
-        yield f"grpc://127.0.0.1:{port}"
+        children.append(spawn_server(["worker", "--dispatcher", address, "--host", HOST,
+                                      "--processes", str(processes)], env)[0])
+        yield f"grpc://{address}"
     finally:
-        for child in reversed(children):
-            child.terminate()
-        for child in children:
-            try:
-                child.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                child.kill()
+        stop_servers(children)
 
 
 def main() -> None:

@@ -40,17 +40,13 @@ import multiprocessing
 import os
 import random
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # run as a script from a checkout without installing
-    sys.path.insert(0, ROOT)
+from _common import spawn_server, stop_servers
 
 WORKER_HEARTBEAT_S = 0.5  # WorkerConfig.effective_heartbeat_interval_ms default
 CLIENT_HEARTBEAT_S = 0.1  # client/membership.py HEARTBEAT_INTERVAL_S
@@ -283,19 +279,10 @@ class Sims:
 
 class Dispatcher:
     def __init__(self, work_dir: str | None) -> None:
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         args = ["dispatcher", "--port", "0", "--host", "127.0.0.1"]
         if work_dir:
             args += ["--fault-tolerant", "--work-dir", work_dir]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "torch_dataservice", "--log-level", "ERROR", *args],
-            stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
-        line = self.proc.stdout.readline() if self.proc.stdout else ""
-        ready = "dispatcher serving at grpc://"
-        if not line.startswith(ready):
-            self.close()
-            raise RuntimeError(f"the dispatcher did not start: {line!r}")
-        self.address = line[len(ready):].strip()
+        self.proc, self.address = spawn_server(args, log_level="ERROR", start_new_session=True)
 
     def cpu_seconds(self) -> float:
         with open(f"/proc/{self.proc.pid}/stat") as f:
@@ -310,13 +297,7 @@ class Dispatcher:
         return float("nan")
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_servers([self.proc], timeout_s=20)
 
 
 def create_job(address: str, tag: str) -> int:

@@ -17,34 +17,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import shutil
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # run as a script from a checkout without installing
-    sys.path.insert(0, ROOT)
+from _common import ROOT, local_cluster
 
-import torch_dataservice as tds  # noqa: E402
-from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc  # noqa: E402
-from torch_dataservice.rpc import channel_to  # noqa: E402
-
-
-def start(journal: bool, work_dir: str, workers: int) -> tuple[tds.DispatchServer, list]:
-    dispatcher = tds.DispatchServer(tds.DispatcherConfig(
-        host="127.0.0.1", fault_tolerant_mode=journal, work_dir=work_dir if journal else None))
-    servers = [tds.WorkerServer(tds.WorkerConfig(dispatcher.address, host="127.0.0.1",
-                                                 num_processes=1, heartbeat_interval_ms=200))
-               for _ in range(workers)]
-    return dispatcher, servers
-
-
-def stop(dispatcher: tds.DispatchServer, workers: list) -> None:
-    for worker in workers:
-        worker.stop()
-    dispatcher.stop()
+import torch_dataservice as tds
+from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
+from torch_dataservice.rpc import channel_to
 
 
 def control_plane_rate(dispatcher: tds.DispatchServer, n: int, tag: str) -> float:
@@ -89,8 +71,9 @@ def main() -> int:
         for journal in (False, True):
             work_dir = tempfile.mkdtemp(prefix="tds-journal-bench-", dir=ROOT)
             try:
-                dispatcher, workers = start(journal, work_dir, args.workers)
-                try:
+                with local_cluster(1, args.workers, heartbeat_interval_ms=200,
+                                   fault_tolerant_mode=journal,
+                                   work_dir=work_dir if journal else None) as dispatcher:
                     tag = f"{attempt}-{journal}"
                     figures = {
                         "registrations+jobs/s": control_plane_rate(dispatcher, registrations,
@@ -99,8 +82,6 @@ def main() -> int:
                                                       tag)
                     figures["DYNAMIC elements/s"] = elements_s
                     figures["GetSplit/s"] = splits_s
-                finally:
-                    stop(dispatcher, workers)
             finally:
                 shutil.rmtree(work_dir, ignore_errors=True)
             for name, value in figures.items():

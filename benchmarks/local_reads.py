@@ -21,16 +21,11 @@ figures follow the machine's load more than the others'.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # run as a script from a checkout without installing
-    sys.path.insert(0, ROOT)
+from _common import HOST, local_cluster, spawn_server, stop_servers
 
-import torch_dataservice as tds  # noqa: E402
+import torch_dataservice as tds
 
 MB = 10**6
 ELEMENT_BYTES = 16 * 2**20
@@ -90,29 +85,17 @@ def main() -> None:
     args.elements = args.elements or (16 if args.quick else 48)
     args.repeats = args.repeats or (1 if args.quick else 3)
 
-    with tds.DispatchServer(tds.DispatcherConfig(host="127.0.0.1")) as dispatcher:
-        with tds.WorkerServer(tds.WorkerConfig(dispatcher.address, host="127.0.0.1",
-                                               num_processes=0)):
-            measure("(a) same process, num_processes=0", dispatcher.target, args, True)
+    with local_cluster(processes=0) as dispatcher:
+        measure("(a) same process, num_processes=0", dispatcher.target, args, True)
 
-    with tds.DispatchServer(tds.DispatcherConfig(host="127.0.0.1")) as dispatcher:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p))
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "torch_dataservice", "--log-level", "WARNING", "worker",
-             "--dispatcher", dispatcher.address, "--host", "127.0.0.1",
-             "--processes", str(args.processes)],
-            env=env, stdout=subprocess.PIPE, text=True)
+    with tds.DispatchServer(tds.DispatcherConfig(host=HOST)) as dispatcher:
+        worker, _ = spawn_server(["worker", "--dispatcher", dispatcher.address, "--host", HOST,
+                                  "--processes", str(args.processes)])
         try:
-            assert worker.stdout is not None
-            line = worker.stdout.readline()
-            if "serving at" not in line:
-                raise RuntimeError(f"worker did not start: {line!r}")
             measure(f"(b) same host, {args.processes} exec. proc.", dispatcher.target, args,
                     False)
         finally:
-            worker.terminate()
-            worker.wait(timeout=30)
+            stop_servers([worker], timeout_s=30)
 
 
 if __name__ == "__main__":

@@ -35,16 +35,13 @@ import contextlib
 import json
 import multiprocessing
 import os
-import signal
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # run as a script from a checkout without installing
-    sys.path.insert(0, ROOT)
+from _common import spawn_server, stop_servers
 
 SLEEP_MS = 10.0
 CONSUMER_TIMEOUT_S = 120.0  # one epoch of one step, at most
@@ -68,28 +65,20 @@ class Fleet:
     """A dispatcher and a growing set of single-process workers, all CLI subprocesses."""
 
     def __init__(self, processes_per_worker: int = 1) -> None:
-        self._env = dict(os.environ,
-                         PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self._processes = processes_per_worker
         self.dispatcher: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen] = []
         # Finished jobs' iterations are collected soon, so their tasks leave the workers.
         self.address = self._spawn(["dispatcher", "--port", "0", "--host", "127.0.0.1",
-                                    "--job-gc-timeout-ms", "2000"],
-                                   "dispatcher serving at grpc://", dispatcher=True)
+                                    "--job-gc-timeout-ms", "2000"], dispatcher=True)
 
-    def _spawn(self, args: list[str], ready: str, dispatcher: bool = False) -> str:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "torch_dataservice", "--log-level", "WARNING", *args],
-            stdout=subprocess.PIPE, text=True, env=self._env, start_new_session=True)
+    def _spawn(self, args: list[str], dispatcher: bool = False) -> str:
+        proc, address = spawn_server(args, start_new_session=True)
         if dispatcher:
             self.dispatcher = proc
         else:
             self.workers.append(proc)
-        line = proc.stdout.readline() if proc.stdout else ""
-        if not line.startswith(ready):
-            raise RuntimeError(f"{args[0]} did not start: {line!r}")
-        return line[len(ready):].strip()
+        return address
 
     def grow(self, n: int) -> float:
         """Start workers until there are `n` (each registered when its start returns);
@@ -100,7 +89,7 @@ class Fleet:
             args = ["worker", "--dispatcher", self.address, "--host", "127.0.0.1",
                     "--processes", str(self._processes)]
             with ThreadPoolExecutor(max_workers=missing) as pool:
-                for future in [pool.submit(self._spawn, args, "worker serving at ")
+                for future in [pool.submit(self._spawn, args)
                                for _ in range(missing)]:
                     future.result()
         return time.perf_counter() - began
@@ -126,16 +115,8 @@ class Fleet:
                 "workers": [w.pid for w in self.workers]}
 
     def close(self) -> None:
-        procs = [*reversed(self.workers), *([self.dispatcher] if self.dispatcher else [])]
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        stop_servers([*([self.dispatcher] if self.dispatcher else []), *self.workers],
+                     timeout_s=20)
 
     def __enter__(self) -> Fleet:
         return self

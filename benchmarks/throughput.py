@@ -38,7 +38,6 @@ import argparse
 import contextlib
 import multiprocessing
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -48,9 +47,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # run as a script from a checkout without installing
-    sys.path.insert(0, ROOT)
+from _common import free_port, spawn_server, stop_servers
 
 MB = 10**6
 MAP_MS = 5.0  # target cost of one element of the CPU-bound map
@@ -206,13 +203,11 @@ class Cluster:
 
     def __init__(self, processes: int) -> None:
         self._procs: list[subprocess.Popen] = []
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        ports = [_free_port(), _free_port()] if METRICS else []
+        ports = [free_port(), free_port()] if METRICS else []
         metrics = [["--metrics-port", str(p)] for p in ports] or [[], []]
-        self.address = self._spawn(
-            ["dispatcher", "--port", "0", *metrics[0]], "dispatcher serving at grpc://", env)
+        self.address = self._spawn(["dispatcher", "--port", "0", *metrics[0]])
         self._spawn(["worker", "--dispatcher", self.address, "--processes", str(processes),
-                     *metrics[1]], "worker serving at ", env)
+                     *metrics[1]])
         self._scraping = threading.Event()
         if ports:
             threading.Thread(target=self._scrape, args=(ports,), daemon=True).start()
@@ -231,29 +226,19 @@ class Cluster:
         """The servers' process ids (their executors are their children)."""
         return [proc.pid for proc in self._procs]
 
-    def _spawn(self, args: list[str], ready: str, env: dict) -> str:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "torch_dataservice", "--log-level", "WARNING", *args],
-            stdout=subprocess.PIPE, text=True, env=env)
-        self._procs.append(proc)
-        line = proc.stdout.readline() if proc.stdout else ""
-        if not line.startswith(ready):
+    def _spawn(self, args: list[str]) -> str:
+        try:
+            proc, address = spawn_server(args)
+        except RuntimeError:
             self.close()
-            raise RuntimeError(f"{args[0]} did not start: {line!r}")
-        return line[len(ready):].strip()
+            raise
+        self._procs.append(proc)
+        return address
 
     def close(self) -> None:
         if hasattr(self, "_scraping"):
             self._scraping.set()
-        for proc in reversed(self._procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in reversed(self._procs):
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        stop_servers(self._procs)
         self._procs.clear()
 
     def __enter__(self) -> Cluster:
@@ -261,12 +246,6 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("localhost", 0))
-        return sock.getsockname()[1]
 
 
 def start_clusters(processes: list[int], stack: contextlib.ExitStack) -> dict[int, Cluster]:

@@ -1,8 +1,8 @@
 """Shared fixtures: clusters of real servers on loopback, in this process or as subprocesses.
 
 - `cluster_factory(num_workers=2, ...)`: a `DispatchServer` and N `WorkerServer`s in this
-  process on ephemeral 127.0.0.1 ports (stopped at teardown). `module_cluster` is one such
-  cluster shared by a test module (tests on it must use their own job names).
+  process on ephemeral 127.0.0.1 ports (stopped at teardown). `shared_cluster` is one such
+  cluster shared by the whole session (tests on it must use their own job names).
 - `process_cluster`: dispatcher and workers started through the CLI
   (`python -m torch_dataservice ...`) as subprocesses; any of them can be SIGKILLed,
   SIGTERMed or restarted on the same port; every child is killed at teardown.
@@ -10,10 +10,17 @@
   makes them go over the wire like a remote trainer.
 
 Helpers importable by tests: `free_port()`, `wait_until(predicate, timeout_s, what)`.
+
+The `integration` marker (docs/development.md): a test that starts servers or processes carries
+it, so that `pytest -m "not integration"` is a loop of seconds. Tests using one of
+SERVER_FIXTURES get it here; any other test that starts a gRPC server, a subprocess or a fork
+without it fails, naming what it started (`_no_servers`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing.process
 import os
 import signal
 import socket
@@ -63,6 +70,63 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     env.setdefault("TORCH_DATASERVICE_CONNECT_TIMEOUT_S", "30")
     env.update(extra)
     return env
+
+
+# ---------------------------------------------------------------------- the integration marker
+# Fixtures that start servers or processes: a test using one is an integration test.
+SERVER_FIXTURES = frozenset({
+    "cluster_factory", "shared_cluster", "process_cluster",  # this file
+    "cluster",  # tests/torch/conftest.py and modules of tests/integration
+    "fleet",  # tests/fleet/conftest.py
+})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+
+
+def _refuse(what: str) -> Callable[..., Any]:
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        pytest.fail(f"this test starts {what} but is not marked integration: add "
+                    "`pytestmark = pytest.mark.integration` to its module (or "
+                    "@pytest.mark.integration to it); see docs/development.md", pytrace=False)
+    return refused
+
+
+@contextlib.contextmanager
+def _no_servers(item: pytest.Item) -> Iterator[None]:
+    """While a test without the integration marker sets up or runs, starting a gRPC server, a
+    subprocess or a process fails it: the marker's promise is kept by construction."""
+    if item.get_closest_marker("integration") is not None:
+        yield
+        return
+    import grpc
+
+    patches = [(grpc, "server", "a gRPC server"), (os, "fork", "a forked process"),
+               (subprocess.Popen, "__init__", "a subprocess"),
+               (multiprocessing.process.BaseProcess, "start", "a process")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, what in patches:
+        setattr(owner, name, _refuse(what))
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Any:
+    with _no_servers(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    with _no_servers(item):
+        return (yield)
 
 
 # ---------------------------------------------------------------------- in-process clusters

@@ -51,6 +51,7 @@ def _raw_heartbeat(address: str, metadata: list[tuple[str, str]]) -> grpc.RpcErr
     return None
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(60)
 def test_with_a_token_every_call_must_carry_it(monkeypatch) -> None:
     monkeypatch.setenv(auth.TOKEN_ENV, "s3cret")

@@ -59,6 +59,7 @@ def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None
     assert info.value.code == 2 and "usage:" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_the_console_script_entry_point() -> None:
     pyproject = (REPO / "pyproject.toml").read_text()
     assert 'torch-dataservice = "torch_dataservice.cli:main"' in pyproject

@@ -1,9 +1,10 @@
 """deploy/: what can be checked without a container engine or a cluster.
 
 The Kubernetes manifests parse and are wired as documented (probes on the health service,
-the token from a Secret, the pod IP advertised); every flag and TORCH_DATASERVICE_* variable
-the deploy files use exists; the image pins the Makefile's torch; and the Slurm script's
-server commands run for real on loopback and serve an epoch.
+the token from a Secret, the pod IP advertised, the exposed metrics port served); every flag
+and TORCH_DATASERVICE_* variable the deploy files use exists; the image pins the Makefile's
+torch and serves metrics on the port it exposes; and the Slurm script's server commands run
+for real on loopback and serve an epoch.
 """
 
 from __future__ import annotations
@@ -95,6 +96,30 @@ def test_manifests_parse_and_are_wired_as_documented() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_the_metrics_port_that_is_exposed_is_served() -> None:
+    """The metrics port the manifests and the image expose is the one the servers serve
+    /metrics on, and pods say where to scrape."""
+    (service,) = [d for d in documents() if d["kind"] == "Service"]
+    service_ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert service_ports["metrics"]["targetPort"] == "metrics"
+    for kind in ("StatefulSet", "Deployment"):
+        (workload,) = [d for d in documents() if d["kind"] == kind]
+        (container,) = containers(kind)
+        port = {p["name"]: p["containerPort"] for p in container["ports"]}["metrics"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env.get("TORCH_DATASERVICE_METRICS_PORT") == str(port), container["name"]
+        annotations = workload["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert annotations["prometheus.io/port"] == str(port)
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    (port,) = re.findall(r"^ENV TORCH_DATASERVICE_METRICS_PORT=(\d+)$", dockerfile, re.MULTILINE)
+    (exposed,) = re.findall(r"^EXPOSE (.+)$", dockerfile, re.MULTILINE)
+    assert port in exposed.split()
+    assert "later" not in dockerfile and "issue 11" not in "".join(
+        path.read_text() for path in MANIFESTS)
+
+
+@pytest.mark.timeout(30)
 def test_every_flag_and_variable_the_deploy_files_use_exists() -> None:
     for command, flags in used_flags().items():
         assert flags, f"no {command} flags found: is the parsing of deploy/ stale?"
@@ -122,6 +147,7 @@ def test_the_image_pins_the_makefiles_torch_and_runs_as_non_root() -> None:
     assert 'ENTRYPOINT ["torch-dataservice"]' in dockerfile
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_slurm_scripts_server_commands_serve_an_epoch(tmp_path: Path) -> None:

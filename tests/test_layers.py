@@ -21,7 +21,7 @@ FLOORS = {
     "policies": 1, "wire": 1, "pipeline": 1, "observability": 1,
     "dispatcher": 2, "worker": 2, "client": 2,
     "torch": 3,
-    "__init__": 4, "cli": 4, "__main__": 4, "cluster": 4,
+    "__init__": 4, "cli": 4, "__main__": 4,
 }
 COMPONENTS = {"dispatcher", "worker", "client"}
 # The only place below the face that may start servers: the embedded service of tds.DataLoader.

@@ -18,6 +18,8 @@ from tests.conftest import HOST, ProcessCluster, free_port, wait_until
 from tests.fault.helpers import Consumer
 from torch_dataservice.worker import server as worker_server
 
+pytestmark = pytest.mark.integration
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 

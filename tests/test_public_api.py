@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 import torch_dataservice as tds
 
 API_NAMES = {
@@ -27,6 +29,7 @@ def test_unknown_name_is_an_attribute_error() -> None:
         raise AssertionError("expected AttributeError")
 
 
+@pytest.mark.integration
 def test_dispatcher_does_not_import_torch() -> None:
     # The dispatcher never runs user code: starting it must not pay for importing torch.
     code = (

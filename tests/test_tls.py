@@ -8,7 +8,6 @@ import logging
 import shutil
 import socket
 import ssl
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import torch_dataservice as tds
+from tests.builders import OPENSSL, extensions, issue, make_certs
 from tests.conftest import HOST, ProcessCluster, free_port
 from torch_dataservice import auth
 from torch_dataservice.client import data_port as client
@@ -23,44 +23,15 @@ from torch_dataservice.client import transports
 from torch_dataservice.errors import ServiceUnavailableError
 from torch_dataservice.wire.data_port import ACCEPTED, HELLO, MAGIC, VERSION
 
-OPENSSL = shutil.which("openssl")
-pytestmark = pytest.mark.skipif(OPENSSL is None, reason="needs the openssl command")
-EXTENSIONS = """\
-basicConstraints = CA:FALSE
-keyUsage = digitalSignature, keyEncipherment
-extendedKeyUsage = serverAuth, clientAuth
-subjectKeyIdentifier = hash
-authorityKeyIdentifier = keyid
-subjectAltName = IP:127.0.0.1, DNS:localhost
-"""
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(OPENSSL is None, reason="needs the openssl command")]
 N = 40
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run([OPENSSL, *args], cwd=cwd, check=True, capture_output=True, timeout=30)
-
-
-def _issue(name: str, cwd: Path) -> None:
-    """`name`.pem/.key signed by ca.pem, valid for 127.0.0.1 and localhost (both roles)."""
-    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=cwd)
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-             "-CAcreateserial", "-days", "2", "-extfile", "ext.cnf", "-out", f"{name}.pem",
-             cwd=cwd)
 
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A CA, a server certificate and a client certificate (all PEM) in one directory."""
-    cwd = tmp_path_factory.mktemp("certs")
-    (cwd / "ext.cnf").write_text(EXTENSIONS)
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-             "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj",
-             "/CN=tds-test-ca", "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=cwd)
-    _issue("server", cwd)
-    _issue("client", cwd)
-    return cwd
+    return make_certs(tmp_path_factory.mktemp("certs"))
 
 
 def server_tls(certs: Path, mutual: bool = False) -> tds.TLSConfig:
@@ -197,9 +168,8 @@ def test_a_worker_certificate_that_does_not_name_its_address_fails_the_read_clea
     its address made readers retry "unreachable" for ever; it is an error, at once."""
     for name in ("ca.pem", "ca.key"):
         shutil.copy(certs / name, tmp_path / name)
-    (tmp_path / "ext.cnf").write_text(EXTENSIONS.replace(
-        "IP:127.0.0.1, DNS:localhost", "DNS:elsewhere.invalid"))
-    _issue("elsewhere", tmp_path)
+    (tmp_path / "ext.cnf").write_text(extensions("DNS:elsewhere.invalid"))
+    issue("elsewhere", tmp_path)
     trust(monkeypatch, certs)
     worker_tls = tds.TLSConfig(str(tmp_path / "elsewhere.pem"), str(tmp_path / "elsewhere.key"))
     with tls_dispatcher_and_worker(certs, worker_tls) as (dispatcher, worker):

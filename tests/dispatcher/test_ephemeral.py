@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dispatcher.service_support import Clock, Context, make_service
+from tests.dispatcher.builders import Clock, Context, make_service
 from torch_dataservice.dispatcher.service import DispatcherService
 from torch_dataservice.proto import common_pb2, dispatcher_pb2
 

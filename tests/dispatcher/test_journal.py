@@ -9,15 +9,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.dispatcher.service_support import write_journal
-from tests.dispatcher.test_state import _history, build, one_iteration, produce_split
+from tests.dispatcher.builders import (
+    build,
+    history,
+    one_iteration,
+    produce_split,
+    register_epoch,
+    replayed,
+    write_journal,
+)
 from torch_dataservice.config import DispatcherConfig
 from torch_dataservice.dispatcher import file_journal, snapshot
 from torch_dataservice.dispatcher.file_journal import HEADER, FileJournal
 from torch_dataservice.dispatcher.service import DispatcherService
 from torch_dataservice.dispatcher.state import DispatcherState
 from torch_dataservice.errors import JournalCorruptError
-from torch_dataservice.proto import common_pb2, dispatcher_pb2
+from torch_dataservice.proto import dispatcher_pb2
 
 Update = dispatcher_pb2.Update
 
@@ -31,21 +38,13 @@ def write(work_dir: Path, updates: list[Update], **options: int) -> FileJournal:
     return journal
 
 
-def replayed(work_dir: Path) -> list[Update]:
-    journal = FileJournal(work_dir)
-    try:
-        return list(journal.replay())
-    finally:
-        journal.close()
-
-
 def logs(work_dir: Path) -> list[Path]:
     directory = work_dir / file_journal.JOURNAL_DIR
     return sorted(directory.glob("log_*"), key=lambda p: int(p.name.split("_")[1]))
 
 
 def test_replay_returns_what_previous_incarnations_appended(tmp_path: Path) -> None:
-    updates = _history()
+    updates = history()
     write(tmp_path, updates[:5])
     write(tmp_path, updates[5:])  # a second incarnation: replays nothing new, writes log_1
     assert replayed(tmp_path) == updates
@@ -116,19 +115,19 @@ def test_sync_is_group_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_compaction_writes_a_snapshot_and_a_fresh_log(tmp_path: Path) -> None:
-    state, compactions = write_journal(tmp_path, _history(), compact_every=5)
-    assert compactions == len(_history()) // 5
+    state, compactions = write_journal(tmp_path, history(), compact_every=5)
+    assert compactions == len(history()) // 5
     directory = tmp_path / file_journal.JOURNAL_DIR
     names = sorted(p.name for p in directory.iterdir())
     assert names == [f"log_{compactions}", f"snapshot_{compactions}"]  # old files are gone
     restored = DispatcherState()
     for update in replayed(tmp_path):
         snapshot.apply(restored, update)
-    assert restored == state == build(*_history())
+    assert restored == state == build(*history())
     # The next incarnation appends after the snapshot and still replays everything.
     extra = produce_split(2001, 0, 0, task_id=4002)
     write(tmp_path, [extra])
-    assert build(*replayed(tmp_path)) == build(*_history(), extra)
+    assert build(*replayed(tmp_path)) == build(*history(), extra)
 
 
 def test_an_unfinished_compaction_is_ignored(tmp_path: Path) -> None:
@@ -139,26 +138,12 @@ def test_an_unfinished_compaction_is_ignored(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------- through the service
-def _register(service: DispatcherService) -> tuple[int, int]:
-    dataset = common_pb2.DatasetDef(pipeline=b"p", splittable=True, num_splits=4,
-                                    fingerprint="fp")
-    dataset_id = service.GetOrRegisterDataset(
-        dispatcher_pb2.GetOrRegisterDatasetRequest(dataset=dataset), None).dataset_id
-    service.WorkerHeartbeat(dispatcher_pb2.WorkerHeartbeatRequest(
-        worker_address="w:1", worker_uid=7), None)
-    job = service.GetOrCreateJob(dispatcher_pb2.GetOrCreateJobRequest(
-        config=common_pb2.JobConfig(dataset_id=dataset_id, job_name="j", sharding_policy=1)),
-        None)
-    iteration = service.GetOrCreateIteration(dispatcher_pb2.GetOrCreateIterationRequest(
-        job_id=job.job_id), None)
-    (task,) = service.state.iteration(iteration.iteration_id).task_ids
-    return iteration.iteration_id, task
 
 
 def test_a_restarted_service_continues_the_split_cursor(tmp_path: Path) -> None:
     config = DispatcherConfig(fault_tolerant_mode=True, work_dir=str(tmp_path))
     first = DispatcherService(config, FileJournal(tmp_path), clock=lambda: 0.0)
-    iteration_id, task_id = _register(first)
+    iteration_id, task_id = register_epoch(first)
 
     def get_split(service: DispatcherService, request_id: int) -> int:
         return service.GetSplit(dispatcher_pb2.GetSplitRequest(

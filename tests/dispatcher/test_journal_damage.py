@@ -17,7 +17,7 @@ from tests.conftest import free_port, subprocess_env
 from torch_dataservice.dispatcher.file_journal import HEADER, JOURNAL_DIR, scan_records
 from torch_dataservice.errors import JournalCorruptError
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 
 def _config(work_dir: Path, **overrides) -> tds.DispatcherConfig:

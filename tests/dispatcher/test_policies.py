@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dispatcher.test_state import (
+from tests.dispatcher.builders import (
     acquire_client,
     build,
     create_job,

@@ -13,6 +13,8 @@ import torch_dataservice as tds
 from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
 from torch_dataservice.rpc import channel_to
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.timeout(60)
 def test_an_out_of_range_repetition_is_refused_and_the_journal_still_works(

@@ -13,9 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.dispatcher.service_support import write_journal
-from tests.dispatcher.test_journal import _register, replayed
-from tests.dispatcher.test_state import (
+from tests.dispatcher.builders import (
     acquire_client,
     build,
     create_iteration,
@@ -25,10 +23,13 @@ from tests.dispatcher.test_state import (
     garbage_collect,
     produce_split,
     register_dataset,
+    register_epoch,
     register_worker,
     release_client,
     remove_worker,
+    replayed,
     requeue_split,
+    write_journal,
 )
 from torch_dataservice.config import DispatcherConfig
 from torch_dataservice.dispatcher import file_journal, snapshot, state
@@ -242,7 +243,7 @@ def test_a_state_survives_compaction_and_restart(tmp_path: Path) -> None:
 def test_a_restarted_service_continues_after_compaction(tmp_path: Path) -> None:
     config = DispatcherConfig(fault_tolerant_mode=True, work_dir=str(tmp_path))
     first = DispatcherService(config, FileJournal(tmp_path, compact_every=2), clock=lambda: 0.0)
-    iteration_id, task_id = _register(first)
+    iteration_id, task_id = register_epoch(first)
 
     def split(service: DispatcherService, request_id: int) -> int:
         return service.GetSplit(dispatcher_pb2.GetSplitRequest(

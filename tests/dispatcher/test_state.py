@@ -6,8 +6,23 @@ import copy
 
 import pytest
 
+from tests.dispatcher.builders import (
+    acquire_client,
+    build,
+    create_iteration,
+    create_job,
+    finish_task,
+    garbage_collect,
+    history,
+    one_iteration,
+    produce_split,
+    register_dataset,
+    register_worker,
+    release_client,
+    remove_worker,
+    requeue_split,
+)
 from torch_dataservice.config import DispatcherConfig
-from torch_dataservice.dispatcher import snapshot
 from torch_dataservice.dispatcher.journal import NullJournal
 from torch_dataservice.dispatcher.service import DispatcherService
 from torch_dataservice.dispatcher.state import (
@@ -16,97 +31,12 @@ from torch_dataservice.dispatcher.state import (
     InvalidTransition,
     RequeuedSplit,
 )
-from torch_dataservice.proto import common_pb2, dispatcher_pb2
+from torch_dataservice.proto import dispatcher_pb2
 
 Update = dispatcher_pb2.Update
-DYNAMIC = 1
 
 
 # ---------------------------------------------------------------------- update builders
-def register_dataset(dataset_id: str, fingerprint: str = "", num_splits: int = 3) -> Update:
-    definition = common_pb2.DatasetDef(pipeline=b"p", fingerprint=fingerprint, splittable=True,
-                                       num_splits=num_splits)
-    return Update(register_dataset=dispatcher_pb2.RegisterDataset(
-        dataset_id=dataset_id, dataset=definition))
-
-
-def register_worker(address: str, uid: int = 7, index: int = -1) -> Update:
-    return Update(register_worker=dispatcher_pb2.RegisterWorker(
-        worker_address=address, worker_uid=uid, worker_index=index, host_id="h",
-        process_id="h:1"))
-
-
-def remove_worker(address: str) -> Update:
-    return Update(remove_worker=dispatcher_pb2.RemoveWorker(worker_address=address))
-
-
-def create_job(job_id: int, name: str, dataset_id: str = "1000", policy: int = DYNAMIC) -> Update:
-    config = common_pb2.JobConfig(dataset_id=dataset_id, job_name=name, sharding_policy=policy,
-                                  target_workers="AUTO")
-    return Update(create_job=dispatcher_pb2.CreateJob(job_id=job_id, config=config))
-
-
-def create_iteration(iteration_id: int, job_id: int, repetition: int = 0) -> Update:
-    return Update(create_iteration=dispatcher_pb2.CreateIteration(
-        iteration_id=iteration_id, job_id=job_id, repetition=repetition))
-
-
-def create_task(task_id: int, iteration_id: int, address: str) -> Update:
-    return Update(create_task=dispatcher_pb2.CreateTask(
-        task_id=task_id, iteration_id=iteration_id, worker_address=address))
-
-
-def finish_task(task_id: int) -> Update:
-    return Update(finish_task=dispatcher_pb2.FinishTask(task_id=task_id))
-
-
-def produce_split(iteration_id: int, repetition: int, index: int, task_id: int = 0,
-                  requeued: bool = False) -> Update:
-    return Update(produce_split=dispatcher_pb2.ProduceSplit(
-        iteration_id=iteration_id, repetition=repetition, split_index=index, task_id=task_id,
-        requeued=requeued))
-
-
-def requeue_split(iteration_id: int, repetition: int, index: int,
-                  delivered: tuple[int, ...] = ()) -> Update:
-    return Update(requeue_split=dispatcher_pb2.RequeueSplit(
-        iteration_id=iteration_id, split=common_pb2.SplitKey(repetition=repetition, index=index),
-        delivered_offsets=delivered))
-
-
-def acquire_client(client_id: int, iteration_id: int) -> Update:
-    return Update(acquire_client=dispatcher_pb2.AcquireClient(
-        client_id=client_id, iteration_id=iteration_id))
-
-
-def release_client(client_id: int) -> Update:
-    return Update(release_client=dispatcher_pb2.ReleaseClient(client_id=client_id))
-
-
-def garbage_collect(iteration_id: int) -> Update:
-    return Update(garbage_collect_iteration=dispatcher_pb2.GarbageCollectIteration(
-        iteration_id=iteration_id))
-
-
-def build(*updates: Update) -> DispatcherState:
-    state = DispatcherState()
-    for update in updates:
-        snapshot.apply(state, update)  # a replayed journal may start with a snapshot record
-    return state
-
-
-def one_iteration() -> list[Update]:
-    """A dataset, two workers, a DYNAMIC job, its first iteration with a task on each worker."""
-    return [
-        register_dataset("1000", fingerprint="fp"),
-        register_worker("w0:1"),
-        register_worker("w1:1"),
-        create_job(5000, "job"),
-        create_iteration(2000, 5000),
-        create_task(4000, 2000, "w0:1"),
-        create_task(4001, 2000, "w1:1"),
-        acquire_client(3000, 2000),
-    ]
 
 
 # ---------------------------------------------------------------------- every update kind
@@ -323,30 +253,10 @@ def test_get_split_prefers_requeued_splits_and_reports_the_skip() -> None:
 
 
 # ---------------------------------------------------------------------- replay
-def _history() -> list[Update]:
-    return [
-        *one_iteration(),
-        register_dataset("named", fingerprint="other"),
-        produce_split(2000, 0, 0, task_id=4000),
-        produce_split(2000, 0, 1, task_id=4001),
-        requeue_split(2000, 0, 1, delivered=(0,)),
-        remove_worker("w1:1"),
-        produce_split(2000, 0, 1, task_id=4000, requeued=True),
-        produce_split(2000, 0, 2, task_id=4000),
-        produce_split(2000, 0, -1, task_id=4000),
-        finish_task(4000),
-        create_iteration(2001, 5000, repetition=1),
-        create_task(4002, 2001, "w0:1"),
-        acquire_client(3001, 2001),
-        release_client(3000),
-        garbage_collect(2000),
-        register_worker("w1:1", uid=8),
-        create_job(5001, "other-job", dataset_id="named", policy=0),
-    ]
 
 
 def test_replaying_the_same_updates_gives_an_equal_state() -> None:
-    updates = _history()
+    updates = history()
     first = build(*updates)
     # The journal stores serialized records: replay what a file would give back.
     replayed = build(*(Update.FromString(u.SerializeToString()) for u in updates))

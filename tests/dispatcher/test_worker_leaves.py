@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dispatcher.service_support import Clock, Context
-from tests.fault.test_exactly_once import (
+from tests.dispatcher.builders import (
+    Clock,
+    Context,
     get_split,
     heartbeat_worker,
-    make_service,
     report,
     start_epoch,
     task_of,
+    timed_service,
 )
 from torch_dataservice import version
 from torch_dataservice.errors import VersionMismatchError
@@ -28,7 +29,7 @@ def leave(service, address: str, uid: int = 1) -> None:
 
 @pytest.mark.timeout(10)
 def test_a_leaving_worker_is_removed_and_its_unsettled_splits_requeued() -> None:
-    service = make_service(Clock())
+    service = timed_service(Clock())
     iteration_id, client = start_epoch(service)
     a = task_of(service, iteration_id, "a:1")
     assert get_split(service, iteration_id, a).split_index == 0
@@ -50,7 +51,7 @@ def test_a_leaving_worker_is_removed_and_its_unsettled_splits_requeued() -> None
 
 @pytest.mark.timeout(10)
 def test_registrations_with_another_protocol_or_python_are_refused() -> None:
-    service = make_service(Clock())
+    service = timed_service(Clock())
     mine = version.current()
     other = common_pb2.BuildInfo(package_version="9.0", protocol_version=mine.protocol + 1,
                                  python_version=mine.python)

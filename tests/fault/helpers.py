@@ -1,7 +1,9 @@
-"""Shared by the fault tests: a consumer subprocess and the delivered/missing/duplicated count."""
+"""Shared by the fault tests: a consumer subprocess, the delivered/missing/duplicated count, and
+a map function that names the process that ran it."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -101,3 +103,8 @@ class Consumer:
 
     def output(self) -> str:
         return self.log.read_text()[-3000:]
+
+
+def tag_with_pid(x: int) -> tuple[int, int]:
+    """Which worker (its single executor process) made element x."""
+    return os.getpid(), x

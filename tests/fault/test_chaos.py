@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import ProcessCluster
 from tests.fault.helpers import Consumer, received, tally_all
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(180)]
 
 N = 60_000
 MAX_RATE = 1_500.0  # elements/s per consumer: the epoch lasts >= 20 s, faults land inside it

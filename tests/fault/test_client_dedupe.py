@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 import torch_dataservice as tds
-from tests.fault.test_exactly_once import (
+from tests.dispatcher.builders import (
     Clock,
     get_split,
-    make_service,
     report,
     start_epoch,
     task_of,
+    timed_service,
 )
 from torch_dataservice.client.delivery import SplitReceived as _SplitReceived
 from torch_dataservice.client.reader import IterationReader
@@ -33,7 +33,7 @@ def test_split_received_is_compact_and_exact() -> None:
 
 
 def test_heartbeat_replies_name_settled_splits_once_per_client() -> None:
-    service = make_service(Clock())
+    service = timed_service(Clock())
     iteration_id, client = start_epoch(service)
     other = service.GetOrCreateIteration(pb.GetOrCreateIterationRequest(
         job_id=service.state.iteration(iteration_id).job_id), None).client_id

@@ -11,9 +11,9 @@ import pytest
 
 import torch_dataservice as tds
 from tests.conftest import ProcessCluster
-from tests.fault.test_coordinated_worker_loss import tag_with_pid
+from tests.fault.helpers import tag_with_pid
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def _read(target: str, consumer: int, got: list, errors: list, stop: threading.Event) -> None:

@@ -7,7 +7,6 @@ two consumers read in rounds.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -15,15 +14,11 @@ import pytest
 
 import torch_dataservice as tds
 from tests.conftest import ProcessCluster
+from tests.fault.helpers import tag_with_pid
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 READ_PER_CONSUMER = 400
-
-
-def tag_with_pid(x: int) -> tuple[int, int]:
-    """Which worker (its single executor process) made element x."""
-    return os.getpid(), x
 
 
 def read_in_rounds(target: str, job: str, consumer: int, got: list, errors: list,

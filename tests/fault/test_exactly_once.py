@@ -7,62 +7,25 @@ from pathlib import Path
 
 import pytest
 
-from tests.dispatcher import service_support
-from tests.dispatcher.service_support import Clock, client_request
-from torch_dataservice.dispatcher.service import DispatcherService
-from torch_dataservice.proto import common_pb2, dispatcher_pb2
+from tests.dispatcher.builders import (
+    Clock,
+    client_request,
+    get_split,
+    get_split_aborting,
+    heartbeat_worker,
+    report,
+    start_epoch,
+    task_of,
+    timed_service,
+)
+from torch_dataservice.proto import dispatcher_pb2
 
 pb = dispatcher_pb2
 
 
-def make_service(clock: Clock, work_dir: Path | None = None, job_gc_timeout_ms: int = 100_000
-                 ) -> DispatcherService:
-    return service_support.make_service(clock, work_dir, worker_timeout_ms=1000,
-                                        job_gc_timeout_ms=job_gc_timeout_ms)
-
-
-def heartbeat_worker(service: DispatcherService, address: str, uid: int = 1,
-                     tasks: tuple[int, ...] = ()) -> pb.WorkerHeartbeatResponse:
-    return service.WorkerHeartbeat(pb.WorkerHeartbeatRequest(
-        worker_address=address, worker_uid=uid, current_tasks=tasks), None)
-
-
-def start_epoch(service: DispatcherService, workers=("a:1", "b:1")) -> tuple[int, int]:
-    """A DYNAMIC job over 4 splits, one iteration, one client; returns (iteration, client)."""
-    for address in workers:
-        heartbeat_worker(service, address)
-    dataset = common_pb2.DatasetDef(pipeline=b"p", splittable=True, num_splits=4, fingerprint="f")
-    dataset_id = service.GetOrRegisterDataset(
-        pb.GetOrRegisterDatasetRequest(dataset=dataset), None).dataset_id
-    job = service.GetOrCreateJob(pb.GetOrCreateJobRequest(config=common_pb2.JobConfig(
-        dataset_id=dataset_id, job_name="j", sharding_policy=1)), None)
-    reply = service.GetOrCreateIteration(pb.GetOrCreateIterationRequest(job_id=job.job_id), None)
-    return reply.iteration_id, reply.client_id
-
-
-def task_of(service: DispatcherService, iteration_id: int, address: str) -> int:
-    return next(t.task_id for t in service.state.iteration_tasks(
-        service.state.iteration(iteration_id)) if t.worker_address == address and not t.finished)
-
-
-def get_split(service: DispatcherService, iteration_id: int, task_id: int,
-              finished: tuple[int, int, int] | None = None) -> pb.GetSplitResponse:
-    request = pb.GetSplitRequest(iteration_id=iteration_id, task_id=task_id)
-    if finished is not None:
-        reported = request.finished_splits.add(elements=finished[2])
-        reported.split.repetition, reported.split.index = finished[:2]
-    return service.GetSplit(request, None)
-
-
-def report(service: DispatcherService, client_id: int, split: int, offsets) -> None:
-    request = client_request(service, client_id)
-    request.received.add(split=common_pb2.SplitKey(repetition=0, index=split), offsets=offsets)
-    service.ClientHeartbeat(request, None)
-
-
 def test_a_dead_workers_split_is_handed_again_without_what_clients_received() -> None:
     clock = Clock()
-    service = make_service(clock)
+    service = timed_service(clock)
     iteration_id, client = start_epoch(service)
     a, b = task_of(service, iteration_id, "a:1"), task_of(service, iteration_id, "b:1")
     assert get_split(service, iteration_id, a).split_index == 0
@@ -80,7 +43,7 @@ def test_a_dead_workers_split_is_handed_again_without_what_clients_received() ->
     # Not handed again until the client reported what it got since the requeue.
     assert get_split(service, iteration_id, b).split_index == 3
     with pytest.raises(Exception, match="UNAVAILABLE|wait for clients"):
-        _get_split_no_context(service, iteration_id, b)
+        get_split_aborting(service, iteration_id, b)
     report(service, client, 0, [3])  # arrived late from a before it died
     response = get_split(service, iteration_id, b)
     assert (response.split_index, list(response.skip_offsets)) == (0, [0, 1, 2, 3])
@@ -88,17 +51,9 @@ def test_a_dead_workers_split_is_handed_again_without_what_clients_received() ->
     service.close()
 
 
-def _get_split_no_context(service: DispatcherService, iteration_id: int, task_id: int) -> None:
-    class Context:
-        def abort(self, code, details):
-            raise RuntimeError(f"{code.name}: {details}")
-
-    service.GetSplit(pb.GetSplitRequest(iteration_id=iteration_id, task_id=task_id), Context())
-
-
 def test_a_task_is_created_when_no_live_task_can_take_requeued_splits() -> None:
     clock = Clock()
-    service = make_service(clock)
+    service = timed_service(clock)
     iteration_id, client = start_epoch(service)
     a, b = task_of(service, iteration_id, "a:1"), task_of(service, iteration_id, "b:1")
     get_split(service, iteration_id, a)
@@ -116,7 +71,7 @@ def test_a_task_is_created_when_no_live_task_can_take_requeued_splits() -> None:
 
 def test_job_gc_is_journaled_and_keeps_the_split_cursor(tmp_path: Path) -> None:
     clock = Clock()
-    service = make_service(clock, tmp_path, job_gc_timeout_ms=1000)
+    service = timed_service(clock, tmp_path, job_gc_timeout_ms=1000)
     iteration_id, client = start_epoch(service, workers=("a:1",))
     a = task_of(service, iteration_id, "a:1")
     assert get_split(service, iteration_id, a).split_index == 0
@@ -135,7 +90,7 @@ def test_job_gc_is_journaled_and_keeps_the_split_cursor(tmp_path: Path) -> None:
     service.close()
     service._journal.close()  # noqa: SLF001
 
-    restarted = make_service(clock, tmp_path, job_gc_timeout_ms=1000)
+    restarted = timed_service(clock, tmp_path, job_gc_timeout_ms=1000)
     assert restarted.state.iteration(iteration_id).garbage_collected  # not resurrected
     job_id = restarted.state.iteration(iteration_id).job_id
     reply = restarted.GetOrCreateIteration(pb.GetOrCreateIterationRequest(job_id=job_id), None)

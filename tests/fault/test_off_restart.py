@@ -14,7 +14,7 @@ import pytest
 import torch_dataservice as tds
 from tests.conftest import ProcessCluster
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(90)]
 
 N = 1500
 

@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import REPO, ProcessCluster
 from tests.fault.helpers import Consumer
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(150)]
 
 N = 20_000
 PAUSE_S = 3.0  # > job_gc_timeout_ms (300) + the dispatcher's check interval (1 s)

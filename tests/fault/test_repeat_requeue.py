@@ -10,16 +10,16 @@ from collections import Counter
 import pytest
 
 import torch_dataservice as tds
-from tests.fault.test_exactly_once import (
+from tests.dispatcher.builders import (
     Clock,
-    _get_split_no_context,
     client_request,
     get_split,
+    get_split_aborting,
     heartbeat_worker,
-    make_service,
     report,
     start_epoch,
     task_of,
+    timed_service,
 )
 from torch_dataservice.proto import dispatcher_pb2 as pb
 
@@ -33,7 +33,7 @@ def _split(service, iteration_id: int, task_id: int, repetition: int) -> pb.GetS
 
 def test_a_requeued_split_goes_to_a_task_of_a_later_repetition_with_its_own_key() -> None:
     clock = Clock()
-    service = make_service(clock)
+    service = timed_service(clock)
     iteration_id, client = start_epoch(service)  # 4 splits per repetition
     a, b = task_of(service, iteration_id, "a:1"), task_of(service, iteration_id, "b:1")
     assert _split(service, iteration_id, a, 0).split_index == 0
@@ -56,7 +56,7 @@ def test_a_requeued_split_goes_to_a_task_of_a_later_repetition_with_its_own_key(
 
 def test_the_wait_for_client_reports_is_bounded_by_worker_timeout() -> None:
     clock = Clock()
-    service = make_service(clock)  # worker_timeout_ms=1000
+    service = timed_service(clock)  # worker_timeout_ms=1000
     iteration_id, client = start_epoch(service)
     a, b = task_of(service, iteration_id, "a:1"), task_of(service, iteration_id, "b:1")
     get_split(service, iteration_id, a)
@@ -70,7 +70,7 @@ def test_the_wait_for_client_reports_is_bounded_by_worker_timeout() -> None:
     service.ClientHeartbeat(client_request(service, client), None)
     service._soft.requeued_at[iteration_id] = 10**9  # noqa: SLF001 - as if no report could count
     with pytest.raises(Exception, match="UNAVAILABLE|wait for clients"):
-        _get_split_no_context(service, iteration_id, b)
+        get_split_aborting(service, iteration_id, b)
     clock.now = 2.6  # worker_timeout_ms after the requeue: handed with what is known
     assert _split(service, iteration_id, b, 0).split_index == 0
     service.close()
@@ -78,7 +78,7 @@ def test_the_wait_for_client_reports_is_bounded_by_worker_timeout() -> None:
 
 def test_a_split_requeued_after_every_task_took_its_last_split_gets_a_new_task() -> None:
     clock = Clock()
-    service = make_service(clock)
+    service = timed_service(clock)
     iteration_id, client = start_epoch(service)
     a, b = task_of(service, iteration_id, "a:1"), task_of(service, iteration_id, "b:1")
     get_split(service, iteration_id, a)

@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import ProcessCluster
 from tests.fault.helpers import Consumer
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(120)]
 
 N = 30_000
 

@@ -15,7 +15,7 @@ import pytest
 from tests.conftest import ProcessCluster
 from tests.fault.helpers import Consumer, received, tally_all
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(150)]
 
 N = 24_000
 ZOMBIE_N = 200_000  # unthrottled: fetches are in flight when the worker freezes

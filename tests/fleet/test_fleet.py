@@ -31,7 +31,7 @@ from tests.fleet.helpers import (
 from tests.fleet.hosts import Fleet, Host, HostProcess, can_connect
 from torch_dataservice import version
 
-pytestmark = pytest.mark.slow  # servers as subprocesses, in namespaces
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # servers as subprocesses, in namespaces
 
 TDS_SH = REPO / "deploy" / "slurm" / "tds.sh"
 TOKEN = "fleet-shared-token"

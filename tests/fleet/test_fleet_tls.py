@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.builders import OPENSSL, make_certs
 from tests.fleet.helpers import METRICS_PORT, SAMPLES, assert_exactly_once, metrics, ranks
 from tests.fleet.helpers import torchrun as run_trainer
 from tests.fleet.hosts import Fleet, HostProcess
-from tests.test_tls import OPENSSL, _issue, _openssl
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.integration, pytest.mark.slow,
               pytest.mark.skipif(OPENSSL is None, reason="needs the openssl command")]
 TOKEN = "fleet-tls-token"
 PORT, WORKER_PORT, DATA_PORT = 5100, 5101, 5102
@@ -34,17 +34,7 @@ def certs(fleet: Fleet) -> Path:
     cwd.mkdir()
     names = ", ".join([f"IP:{h.address}" for h in fleet.hosts.values()]
                       + [f"DNS:{h.hostname}" for h in fleet.hosts.values()])
-    (cwd / "ext.cnf").write_text(
-        "basicConstraints = CA:FALSE\nkeyUsage = digitalSignature, keyEncipherment\n"
-        "extendedKeyUsage = serverAuth, clientAuth\nsubjectKeyIdentifier = hash\n"
-        f"authorityKeyIdentifier = keyid\nsubjectAltName = {names}\n")
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-             "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj",
-             "/CN=tds-fleet-ca", "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=cwd)
-    _issue("server", cwd)
-    _issue("client", cwd)
-    return cwd
+    return make_certs(cwd, names, ca_name="tds-fleet-ca")
 
 
 def client_env(fleet: Fleet, certs: Path, token: str = TOKEN, ca: bool = True,

@@ -9,7 +9,7 @@ import pytest
 
 from tests.fleet.hosts import Fleet, _kept_under_tmp, can_connect
 
-pytestmark = pytest.mark.slow  # servers as subprocesses, in namespaces
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # servers as subprocesses, in namespaces
 
 LISTEN = ("import socket,sys,time\n"
           "s=[socket.create_server(('0.0.0.0',p)) for p in (7001,7002)]\n"

@@ -10,6 +10,8 @@ import pytest
 
 import torch_dataservice as tds
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.timeout(60)
 def test_a_cached_reader_iterated_again_is_refused(cluster_factory) -> None:

@@ -17,6 +17,8 @@ import pytest
 import torch_dataservice as tds
 from tests.conftest import Cluster
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def cluster() -> Cluster:

@@ -14,6 +14,8 @@ import torch_dataservice as tds
 from tests.conftest import Cluster
 from torch_dataservice.worker.runners import CachingRunner
 
+pytestmark = pytest.mark.integration
+
 
 def trainer(cluster: Cluster, job: str, trainer_id: str,
             pipeline: tds.Pipeline | None = None, **kw) -> tds.Pipeline:

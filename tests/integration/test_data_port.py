@@ -14,6 +14,8 @@ from torch_dataservice.client import data_port as client
 from torch_dataservice.client import transports
 from torch_dataservice.wire import frame
 
+pytestmark = pytest.mark.integration
+
 SIZES = [20 * 2**20, 0, 1, (1 << 20) - 7, 1 << 20, 100_000, 16 * 2**20]
 
 

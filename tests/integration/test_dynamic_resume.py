@@ -19,7 +19,7 @@ from torch_dataservice.client.api import ReadOptions, connect_timeout_s, split_s
 from torch_dataservice.client.consumed import ConsumedSplits
 from torch_dataservice.client.reader import IterationReader
 
-pytestmark = [pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 N, SPLIT = 200, 10
 

@@ -16,7 +16,7 @@ import torch_dataservice as tds
 from tests.conftest import wait_until
 from torch_dataservice.errors import RemoteError
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 GATE_AT = 40  # batches: the replica stops at this one, holding the splits asked for ahead
 

@@ -25,7 +25,7 @@ from torch_dataservice.errors import RemoteError
 from torch_dataservice.wire import codec
 from torch_dataservice.worker import executor_process
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
 BIG = 3 << 20  # above the shared-memory threshold an executor process would use
 N = 12

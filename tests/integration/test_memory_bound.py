@@ -15,6 +15,8 @@ import pytest
 
 import torch_dataservice as tds
 
+pytestmark = pytest.mark.integration
+
 MB = 1 << 20
 ELEMENT_MB = 16
 NUM_ELEMENTS = 128         # 2 GB through the consumer (the figure)

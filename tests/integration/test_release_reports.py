@@ -12,6 +12,8 @@ import pytest
 import torch_dataservice as tds
 from tests.conftest import wait_until
 
+pytestmark = pytest.mark.integration
+
 N = 2000
 
 

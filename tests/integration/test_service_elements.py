@@ -17,7 +17,7 @@ import torch
 import torch_dataservice as tds
 from tests.conftest import Cluster
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 # Workers need not import this test module: functions and classes of it travel by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -9,7 +9,7 @@ import pytest
 import torch_dataservice as tds
 from tests.conftest import Cluster
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 
 @pytest.mark.timeout(60)

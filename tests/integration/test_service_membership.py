@@ -26,7 +26,7 @@ import pytest
 import torch_dataservice as tds
 from tests.conftest import wait_until
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -14,7 +14,7 @@ import pytest
 import torch_dataservice as tds
 from tests.conftest import Cluster, subprocess_env
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 
 def read_concurrently(*pipelines: tds.Pipeline) -> list[list[Any]]:

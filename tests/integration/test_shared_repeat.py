@@ -11,7 +11,7 @@ import pytest
 
 import torch_dataservice as tds
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 N = 50
 
 

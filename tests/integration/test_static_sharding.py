@@ -21,6 +21,8 @@ import pytest
 import torch_dataservice as tds
 from tests.conftest import HOST, Cluster, free_port, subprocess_env
 
+pytestmark = pytest.mark.integration
+
 N_WORKERS = 2
 
 

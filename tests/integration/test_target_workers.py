@@ -12,6 +12,8 @@ from tests.conftest import Cluster
 from torch_dataservice.client import transports as reader_module
 from torch_dataservice.wire import inprocess as local
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def cluster() -> Cluster:

@@ -15,7 +15,7 @@ import pytest
 import torch_dataservice as tds
 from tests.conftest import Cluster
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 N = 1000
 

@@ -25,5 +25,5 @@ def test_dashboard_panels_query_exported_metrics() -> None:
     assert used <= EXPORTED, used - EXPORTED
     assert {"tds_client_wait_seconds_total", "tds_client_batches_total",
             "tds_worker_stage_seconds_total", "tds_dispatcher_optimal_workers"} <= used
-    readme = (REPO / "README.md").read_text()
-    assert "Is my trainer starved?" in readme and exprs[0].split(" / ")[0].split("[")[0] in readme
+    guide = (REPO / "docs" / "operations.md").read_text()
+    assert "Is my trainer starved?" in guide and exprs[0].split(" / ")[0].split("[")[0] in guide

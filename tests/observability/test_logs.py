@@ -84,6 +84,7 @@ def test_json_log_lines_are_one_object_each() -> None:
     assert entry["logger"] == "torch_dataservice.x" and entry["time"].endswith("Z")
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(60)
 def test_a_dispatcher_logs_lifecycle_events_once_as_json(tmp_path) -> None:
     port = free_port()

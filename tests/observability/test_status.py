@@ -56,6 +56,7 @@ def test_status_lists_the_workers_iterations_and_clients_of_a_running_cluster(sh
     assert any(float(w["elements_per_s"]) > 0 for w in reply["workers"])
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(30)
 def test_status_of_a_dispatcher_that_is_not_there_fails_fast_and_says_so():
     started = time.monotonic()

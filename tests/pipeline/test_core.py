@@ -83,6 +83,7 @@ def test_is_a_torch_iterable_dataset() -> None:
     assert [b.tolist() for b in batches] == [[0, 1], [2, 3], [4]]
 
 
+@pytest.mark.integration
 def test_works_in_a_dataloader_worker_process() -> None:
     pipeline = Pipeline.range(4).map(lambda x: x * 3).prefetch(2)
     loader = DataLoader(pipeline, batch_size=None, num_workers=1)

@@ -33,7 +33,8 @@ def _torch_workers_not_forked() -> Iterator[None]:
     torch and the test modules once, so that starting one costs a fork, not an import."""
     previous = multiprocessing.get_start_method(allow_none=True)
     multiprocessing.set_start_method("forkserver", force=True)
-    multiprocessing.set_forkserver_preload(["torch", "numpy", *FIDELITY_MODULES])
+    multiprocessing.set_forkserver_preload(["torch", "numpy", "tests.torch.builders",
+                                           *FIDELITY_MODULES])
     yield
     multiprocessing.set_start_method(previous, force=True)
 

@@ -232,6 +232,7 @@ MAIN_SCRIPT = """
 """
 
 
+@pytest.mark.integration
 def test_main_module_code_and_embedded_service(tmp_path) -> None:
     (tmp_path / "sibling.py").write_text(
         "class Offset:\n    def __init__(self, i):\n        self.value = i + 100\n")

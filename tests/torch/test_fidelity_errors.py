@@ -9,6 +9,8 @@ import torch
 import torch_dataservice as tds
 from tests.conftest import Cluster
 
+pytestmark = pytest.mark.integration
+
 
 class CorruptSample(Exception):
     """A user's exception class (shipped by value; found on the trainer by its name)."""

@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 import torch_dataservice as tds
 from tests.conftest import Cluster
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
 
 class Indices(Dataset):

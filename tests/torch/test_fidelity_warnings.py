@@ -15,7 +15,7 @@ from torch.utils.data import Dataset
 import torch_dataservice as tds
 from tests.conftest import Cluster
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 
 class Small(Dataset):

@@ -16,8 +16,9 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 import torch_dataservice as tds
 from tests.conftest import Cluster
+from tests.torch.builders import RangeShards
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
 
 class Probe(Dataset):
@@ -109,21 +110,6 @@ def test_an_error_in_worker_init_fn_reaches_the_user_as_with_torch(cluster: Clus
     assert expected == [("KeyError", True)] * 2
     ours = outcomes(tds.DataLoader(Probe(5), service=cluster.target, **kwargs))
     assert ours == expected + [2, 3, 4]
-
-
-class RangeShards(IterableDataset):
-    """torch's documented pattern: each worker takes its own slice of [start, end)."""
-
-    def __init__(self, start: int, end: int) -> None:
-        self.start, self.end = start, end
-
-    def __iter__(self) -> Iterator[int]:
-        info = get_worker_info()
-        if info is None:
-            return iter(range(self.start, self.end))
-        per_worker = int(math.ceil((self.end - self.start) / float(info.num_workers)))
-        start = self.start + info.id * per_worker
-        return iter(range(start, min(start + per_worker, self.end)))
 
 
 class Replicated(IterableDataset):

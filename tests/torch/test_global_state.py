@@ -18,7 +18,7 @@ from torch.utils.data import DistributedSampler
 
 import torch_dataservice as tds
 from tests.conftest import Cluster
-from tests.torch.test_resume import Indices, as_rank, epoch
+from tests.torch.builders import Indices, as_rank, epoch
 from torch_dataservice.torch import dataloader as dataloader_module
 from torch_dataservice.torch import global_state, ranges, registration, sampling
 from torch_dataservice.torch.dealing import DROP, PAD, UNEVEN, Deal, even_policy

@@ -92,8 +92,7 @@ def test_a_finished_epoch_saves_the_next_one() -> None:
 
 def test_an_iterable_dataset_read_by_two_ranks_resumes_in_one_process(
         cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tests.torch.test_fidelity_workers import RangeShards
-    from tests.torch.test_resume import as_rank
+    from tests.torch.builders import RangeShards, as_rank
 
     dataset = RangeShards(0, 64)
     loaders = []

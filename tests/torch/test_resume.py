@@ -3,35 +3,15 @@
 from __future__ import annotations
 
 import io
-import itertools
 import threading
-from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import Dataset
 
 import torch_dataservice as tds
 from tests.conftest import Cluster
+from tests.torch.builders import Indices, as_rank, epoch
 from torch_dataservice.torch import loader_iter
-
-
-class Indices(Dataset):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> int:
-        return index
-
-
-def epoch(loader: Any, limit: int | None = None) -> list[list[int]]:
-    out = []
-    for batch in itertools.islice(loader, limit):
-        out.append(batch.tolist() if isinstance(batch, torch.Tensor) else batch)
-    return out
 
 
 def roundtrip(state: dict) -> dict:
@@ -39,13 +19,6 @@ def roundtrip(state: dict) -> dict:
     torch.save(state, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=False)
-
-
-def as_rank(monkeypatch: pytest.MonkeyPatch, rank: int, world_size: int) -> None:
-    """torchrun's environment without a process group: ranks need no communication."""
-    monkeypatch.setenv("RANK", str(rank))
-    monkeypatch.setenv("WORLD_SIZE", str(world_size))
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test-run")
 
 
 @pytest.mark.parametrize("use_set_epoch", [False, True], ids=["torch-exact", "set_epoch"])

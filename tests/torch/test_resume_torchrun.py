@@ -27,7 +27,7 @@ from tests.torch import resume_trainer
 from tests.torch.conftest import launch
 from torch_dataservice.torch import sampling
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(120)]
 
 SAMPLES, BATCH, SAVE_AT = 103, 4, 4  # 2 ranks: 51 samples (13 batches) each, 1 dropped
 RUN_S = 45.0

@@ -22,6 +22,8 @@ import torch
 from tests.conftest import REPO, Cluster, subprocess_env
 from torch_dataservice.torch import sampling
 
+pytestmark = pytest.mark.integration
+
 SAMPLES, BATCH, RANKS, SEED = 101, 8, 2, 1234  # SEED: the example's generator
 PER_RANK = -(-(SAMPLES // RANKS) // BATCH)  # 7 batches per rank and epoch
 

@@ -36,7 +36,7 @@ from tests.conftest import HOST, REPO, Cluster, _make_cluster, subprocess_env
 from tests.torch.conftest import launch
 from torch_dataservice.observability.status_text import fetch_status
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(180)]
 
 SAMPLES, SPLIT, BATCH, SAVE_AT, EPOCHS = 192, 8, 4, 4, 2
 RUN_S = 120.0

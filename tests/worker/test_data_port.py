@@ -195,6 +195,7 @@ def test_a_non_loopback_host_needs_a_token(monkeypatch: pytest.MonkeyPatch) -> N
         DataPort(FakeWorker().fetch, lambda: True, "0.0.0.0").start()
 
 
+@pytest.mark.integration
 def test_socket_directories_of_dead_workers_are_removed_at_start() -> None:
     import shutil
     import subprocess

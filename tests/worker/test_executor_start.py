@@ -22,7 +22,7 @@ from torch_dataservice.worker import launch
 from torch_dataservice.worker.executor import ExecutorPool
 from torch_dataservice.worker.messages import ReplicaKey, SplitRequest, TaskError
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
 def _torch_mapping(pid: int | str) -> str | None:

@@ -11,7 +11,7 @@ import pytest
 import torch_dataservice as tds
 from torch_dataservice.worker import launch
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 
 def test_a_worker_that_cannot_bind_its_port_stops_its_executors() -> None:

@@ -97,9 +97,10 @@ class InProcess:
         self.borrow = not shared
 
     def fetch(self, request: worker_pb2.GetElementsRequest) -> tuple[Any, list]:
-        if inprocess.lookup(self._address) is not self._service:
+        service = inprocess.lookup(self._address)
+        if service is None or service is not self._service:
             raise WorkerGone(f"worker {self._address} stopped")  # or restarted at the address
-        return self._service.fetch(request, local=True)
+        return service.fetch(request, local=True)
 
 
 class DataPortTransport:
@@ -126,7 +127,7 @@ class GrpcStream:
         self._address = address
 
     def fetch(self, request: worker_pb2.GetElementsRequest) -> tuple[Any, list]:
-        call = channel_to(self._address).unary_stream(
+        call: Any = channel_to(self._address).unary_stream(
             f"/{WORKER_SERVICE_NAME}/StreamElements",
             request_serializer=worker_pb2.GetElementsRequest.SerializeToString,
         )(request, timeout=STREAM_TIMEOUT_S)
@@ -166,7 +167,8 @@ def grpc_answers(address: str) -> bool:
     """The worker at `address` answers on gRPC (its health service, which needs no token)."""
     stub = health_pb2_grpc.HealthStub(channel_to(address))
     try:
-        stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_TIMEOUT_S)
+        stub.Check(  # type: ignore[attr-defined]  # typeshed's HealthStub lists no methods
+            health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_TIMEOUT_S)
     except grpc.RpcError:
         return False
     return True

@@ -36,7 +36,7 @@ class DispatchServer:
 
     def __init__(self, config: DispatcherConfig | None = None, start: bool = True) -> None:
         self._config = config or DispatcherConfig()
-        self._server = None
+        self._server: grpc.Server | None = None
         self._port = self._config.port
         self._stopped = threading.Event()
         self._service: DispatcherService | None = None

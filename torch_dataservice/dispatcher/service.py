@@ -146,6 +146,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                 self._apply(Update(create_iteration=dispatcher_pb2.CreateIteration(
                     iteration_id=iteration_id, job_id=job.job_id, repetition=repetition)))
                 created = tasks.for_new_iteration(self._state, iteration_id)
+            assert iteration_id is not None  # found, or created just above
             client_id = self._state.peek_id("client")
             self._apply(*created, Update(acquire_client=dispatcher_pb2.AcquireClient(
                 client_id=client_id, iteration_id=iteration_id)))
@@ -322,7 +323,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             if produce is not None:
                 produce.replica, produce.request_id = request.replica, request.request_id
                 self._apply(Update(produce_split=produce))
-            if end:
+            if end or produce is None:
                 return dispatcher_pb2.GetSplitResponse(end_of_splits=True)
             granted.append((produce.repetition, produce.split_index))
         self._observe.splits += len(granted)

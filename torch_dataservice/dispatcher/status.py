@@ -49,11 +49,11 @@ def cluster_status(state: DispatcherState, soft: SoftState, observed: Dispatcher
             _fill_worker(worker, sample)
             capacity[address] = worker.capacity_per_s
     for client_id in sorted(state.clients):
-        sample = observed.clients.get(client_id)
+        client_sample = observed.clients.get(client_id)
         client = reply.clients.add(client_id=client_id, iteration_id=state.clients[client_id])
         client.heartbeat_age_s = max(0.0, now - soft.client_seen.get(client_id, now))
-        if sample is not None:
-            _fill_client(client, sample)
+        if client_sample is not None:
+            _fill_client(client, client_sample)
     for iteration_id in sorted(state.iterations):
         iteration = state.iterations[iteration_id]
         if not iteration.garbage_collected:

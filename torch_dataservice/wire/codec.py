@@ -37,7 +37,7 @@ import torch
 try:  # python-snappy >= 0.7 is a thin layer over cramjam, which can decompress in place.
     from cramjam import snappy as _cramjam_snappy
 except ImportError:  # pragma: no cover - older python-snappy builds
-    _cramjam_snappy = None
+    _cramjam_snappy = None  # type: ignore[assignment]
 
 __all__ = ["COMPRESSION_AUTO", "decode", "encode", "estimate_size", "payload_size"]
 

@@ -85,7 +85,7 @@ def _parse_header(view: memoryview) -> tuple[worker_pb2.ElementBatchHeader, int]
             f"element frame truncated: header of {header_len} bytes in a {view.nbytes} byte frame"
         )
     header = worker_pb2.ElementBatchHeader()
-    header.ParseFromString(view[_LENGTH.size : offset])
+    header.ParseFromString(view[_LENGTH.size : offset])  # type: ignore[arg-type]  # any buffer
     return header, offset
 
 

@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable, Sequence
 from multiprocessing.connection import Connection
 from typing import Protocol
 
+import numpy as np
+
 from torch_dataservice.pipeline.sharding import ReplicaPlan
 from torch_dataservice.wire.inprocess import LocalElement
 from torch_dataservice.worker import launch, shm
@@ -61,7 +63,7 @@ logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = launch.FORK_TIMEOUT_S
 
 
-Arrived = tuple[ReplicaKey, SplitKey | None, int, bytes | memoryview | LocalElement]
+Arrived = tuple[ReplicaKey, SplitKey | None, int, bytes | memoryview | np.ndarray | LocalElement]
 
 
 class ExecutorListener(Protocol):

@@ -110,7 +110,7 @@ class _Segment:
 
 
 _Outgoing = (_Small | _Local | _Big | _Segment | End | Failed | SplitRequest | SplitDone
-             | Blocked)
+             | Blocked | Stages)
 
 
 class _Replica:
@@ -219,7 +219,8 @@ class _Replica:
             last_sent = time.monotonic()
             elements: Iterator[Any] = self._pipeline.iterate(ctx)
             clock, now = self.clock, time.perf_counter  # stage times: observability/stages.py
-            compute = encode = count = 0
+            compute = encode = 0.0
+            count = 0
             published = encoded = now()
             for element in elements:
                 computed = now()
@@ -261,7 +262,8 @@ class _Replica:
                 if encoded - published > stages.PUBLISH_S:
                     published = encoded
                     clock.publish(compute, encode, count)
-                    compute = encode = count = 0
+                    compute = encode = 0.0
+                    count = 0
             compute += now() - encoded  # the last pull, which found the end
             clock.publish(compute, encode, count)
             self._executor.send(End(self.key))
@@ -433,6 +435,7 @@ class ExecutorLoop:
                     try:
                         self._conn.send(header)
                         if fd is not None:
+                            assert self._sock is not None  # set whenever segments are used
                             shm.send_fd(self._sock, fd)
                     finally:
                         if fd is not None:

@@ -48,7 +48,7 @@ class FinishedSplit(NamedTuple):
     """A split a replica finished producing, reported to the dispatcher (exactly-once)."""
 
     repetition: int
-    index: int
+    index: int  # type: ignore[assignment]  # the proto's name; hides tuple.index
     elements: int
 
 

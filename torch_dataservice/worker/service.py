@@ -100,7 +100,7 @@ class WorkerService:
         return worker_pb2.ProcessTaskResponse()
 
     def register(self, server: grpc.Server) -> None:
-        handlers = {
+        handlers: dict[str, grpc.RpcMethodHandler] = {
             "GetElements": grpc.unary_unary_rpc_method_handler(
                 self.GetElements,
                 request_deserializer=worker_pb2.GetElementsRequest.FromString,

@@ -158,7 +158,7 @@ class SplitFeed:
             kind, message = self._error
             while self._waiters:
                 waiter = self._waiters.popleft()
-                actions.append(lambda w=waiter: w.fail(kind, message))
+                actions.append(functools.partial(waiter.fail, kind, message))
             return actions
         while self._waiters:
             waiter = self._waiters[0]

@@ -5,7 +5,7 @@ A server must never crash, never hang an RPC past its deadline, never leak threa
 memory without bound, and must answer garbage with an error status. The test suite runs a
 short seeded run (tests/fault/test_fuzz.py); a longer one:
 
-    python benchmarks/fuzz.py --cases 20000 --seed 7
+    python tests/fault/fuzz.py --cases 20000 --seed 7
 
 prints cases per target, the statuses seen, and the RSS and thread growth.
 """

@@ -1,0 +1,39 @@
+"""The `integration` marker keeps its promise (tests/conftest.py): a test without it cannot start a
+server or a process, and a test using a server fixture gets it without asking."""
+
+from __future__ import annotations
+
+import multiprocessing
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+from tests import conftest
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.mark.parametrize("start", [
+    lambda: grpc.server(None),
+    lambda: subprocess.run([sys.executable, "-c", "pass"], check=True),
+    lambda: multiprocessing.get_context("spawn").Process(target=int).start(),
+])
+def test_a_test_without_the_marker_cannot_start_a_server_or_a_process(start) -> None:
+    with pytest.raises(pytest.fail.Exception, match="not marked integration"):
+        start()
+
+
+@pytest.mark.integration
+def test_a_marked_test_may_start_a_process() -> None:
+    subprocess.run([sys.executable, "-c", "pass"], check=True, timeout=20)
+
+
+def test_a_test_using_a_server_fixture_is_marked_integration() -> None:
+    marks: list[pytest.MarkDecorator] = []
+    uses = SimpleNamespace(fixturenames=["tmp_path", "cluster_factory"], add_marker=marks.append)
+    does_not = SimpleNamespace(fixturenames=["tmp_path"], add_marker=marks.append)
+    conftest.pytest_collection_modifyitems([uses, does_not])  # type: ignore[list-item]
+    assert [mark.name for mark in marks] == ["integration"]
