@@ -171,6 +171,7 @@ class DatasetCopies:
             kept = self.__dict__.get("_kept")
             if kept is None:
                 kept = self.__dict__["_kept"] = pickle.loads(self.data)
+                self.data = b""  # never unpickled again here
             return kept
 
 
