@@ -102,7 +102,9 @@ class Registrar:
         if cached is not None and cached[0] == key and persistent:
             return SharedObjectRef(cached[2])
         # Loaders sharing a job (job_name) share its batches, so also their workers' copies.
-        owner = (self.job_name or self.name) if persistent else None
+        owner = None
+        if persistent:
+            owner = job_identity(self.job_name) if self.job_name is not None else self.name
         definition = shared_object_def(DatasetCopies(fetch, owner))
         if cached is None or cached[:2] != (key, definition.fingerprint):
             dataset_id = register_definition(self.target(), definition)
