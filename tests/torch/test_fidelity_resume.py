@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 
 import torch_dataservice as tds
 from tests.conftest import Cluster
+from tests.torch.reference import torch_result
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -130,3 +131,58 @@ def test_iterable_state_survives_json(cluster: Cluster) -> None:
     restored = make()
     restored.load_state_dict(json_roundtrip(loader.state_dict()))
     assert head + batches(restored) == expected
+
+
+UNSEEDED_EPOCHS = """
+    import json, torch
+    torch.manual_seed({seed})
+    loader = torch.utils.data.DataLoader(list(range(16)), batch_size=4, shuffle=True,
+                                         num_workers={workers},
+                                         persistent_workers={persistent})
+    print(json.dumps([[b.tolist() for b in loader] for _ in range({epochs})]))
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("restart", [False, True], ids=["same-process", "rng-restored"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_unseeded_shuffle_resumed_between_epochs_goes_on_as_torch(
+        cluster: Cluster, restart: bool, workers: int) -> None:
+    """The epochs after a restored one go on from torch's global RNG as an uninterrupted
+    run's do: neither the restored epoch nor its draws are repeated."""
+    want = torch_result(UNSEEDED_EPOCHS.format(seed=0, workers=workers, persistent=False,
+                                               epochs=3))
+
+    def make() -> tds.DataLoader:
+        return tds.DataLoader(list(range(16)), batch_size=4, shuffle=True,
+                              num_workers=workers, service=cluster.target)
+
+    torch.manual_seed(0)
+    first = make()
+    assert batches(first) == want[0]
+    saved, rng = json_roundtrip(first.state_dict()), torch.get_rng_state()
+    if restart:  # a new process seeds, then restores the RNG saved with the checkpoint
+        torch.manual_seed(123)
+        torch.set_rng_state(rng)
+    restored = make()
+    restored.load_state_dict(saved)
+    assert [batches(restored), batches(restored)] == want[1:]
+
+
+@pytest.mark.integration
+def test_a_fresh_state_loaded_into_persistent_workers_that_ran_draws_its_own_seed(
+        cluster: Cluster) -> None:
+    want = torch_result(UNSEEDED_EPOCHS.format(seed=3, workers=2, persistent=True, epochs=1))
+
+    def make() -> tds.DataLoader:
+        return tds.DataLoader(list(range(16)), batch_size=4, shuffle=True, num_workers=2,
+                              persistent_workers=True, service=cluster.target)
+
+    torch.manual_seed(3)
+    never_iterated = make()
+    saved = json_roundtrip(never_iterated.state_dict())
+    assert batches(never_iterated) == want[0]
+    ran = make()
+    next(iter(ran))  # its workers' base seed is drawn
+    ran.load_state_dict(saved)
+    assert batches(ran) == want[0]

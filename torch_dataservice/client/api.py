@@ -9,10 +9,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import cloudpickle
-
 from torch_dataservice.observability.client import ClientStats, current_sink
-from torch_dataservice.pipeline import Pipeline, shared_objects
+from torch_dataservice.pipeline import Pipeline, pickling, shared_objects
 from torch_dataservice.policies import TARGET_WORKERS, ShardingPolicy
 from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
 from torch_dataservice.rpc import channel_to, parse_service, retry
@@ -136,7 +134,7 @@ def dataset_def(pipeline: Pipeline, compression: str | None) -> common_pb2.Datas
     if not isinstance(pipeline, Pipeline):
         raise ValueError(f"dataset must be a torch_dataservice.Pipeline, got {type(pipeline)!r}")
     with shared_objects.collecting() as depends_on:
-        data = cloudpickle.dumps(pipeline)
+        data = pickling.dumps(pipeline, "pipeline")  # an error names what cannot be pickled
     definition = common_pb2.DatasetDef(
         pipeline=data,
         compression=compression or "",
@@ -156,7 +154,7 @@ def dataset_def(pipeline: Pipeline, compression: str | None) -> common_pb2.Datas
 def shared_object_def(obj: Any) -> common_pb2.DatasetDef:
     """A dataset holding `obj` for pipelines to refer to (pipeline/shared_objects.py)."""
     with shared_objects.collecting() as depends_on:
-        data = cloudpickle.dumps(obj)
+        data = pickling.dumps(obj)
     return common_pb2.DatasetDef(
         pipeline=data, shared_object=True, depends_on=list(dict.fromkeys(depends_on)),
         fingerprint="shared:" + hashlib.sha256(data).hexdigest())

@@ -96,9 +96,10 @@ class DataLoader(torch.utils.data.DataLoader):
       (`target_workers="LOCAL"` reads only workers on this host, over their Unix socket;
       `"ANY"` reads every worker over TCP, as a remote trainer does).
 
-    The dataset and `collate_fn` travel to the workers with cloudpickle (by value when they are
-    defined in the training script), once, or again in an epoch where their pickle changed;
-    each executor process of a worker unpickles one copy, shared by its threads.
+    The dataset, `collate_fn` and `worker_init_fn` travel to the workers with cloudpickle (by
+    value when they are defined in the training script), once, or again in an epoch where their
+    pickle changed; each executor process makes a fresh copy per epoch (with
+    `persistent_workers`, one for the loader's life), as torch's workers get theirs.
     """
 
     def __init__(
@@ -245,7 +246,8 @@ class DataLoader(torch.utils.data.DataLoader):
         if self._tds_iterable:
             reading = self._tds_read_iterable(epoch)
             return LoaderIterator(lambda: reading, progress, options)
-        fetch = FetchBatch(self.dataset, self._auto_collation, self.collate_fn)
+        fetch = FetchBatch(self.dataset, self._auto_collation, self.collate_fn,
+                           self.worker_init_fn)
         # Registered here, so that a dataset that cannot be pickled fails in iter() as it
         # would with torch's spawned workers.
         ref = self._tds_registrar.fetch_ref(fetch, self.persistent_workers)
@@ -267,8 +269,8 @@ class DataLoader(torch.utils.data.DataLoader):
             # Loaders sharing a job register the same epoch, so its seeds cannot be drawn by
             # each: they are a function of the job's name and epoch.
             base_seed = seeded_worker_seed(zlib.crc32(job_name.encode()), epoch.number)
-        return EpochSeeds(base_seed, epoch.round, self.num_workers, self.worker_init_fn,
-                          stride, offset, epoch.first_batch)
+        return EpochSeeds(base_seed, epoch.round, self.num_workers, stride, offset,
+                          epoch.first_batch)
 
     def _tds_read_map(self, epoch: Epoch, progress: Progress, fetch: FetchBatch,
                       ref: Any) -> Reading:
@@ -317,7 +319,8 @@ class DataLoader(torch.utils.data.DataLoader):
         merged = (self.in_order and registrar.policy == ShardingPolicy.DYNAMIC
                   and registrar.job_name is None and not self._tds_ranks.distributed)
         run = RunShard(dataset, self._tds_seeds(epoch), self._auto_collation, self.collate_fn,
-                       self.drop_last, self.batch_size, end_markers=merged)
+                       self.drop_last, self.batch_size, end_markers=merged,
+                       worker_init_fn=self.worker_init_fn)
         pipeline = Pipeline.from_items(list(range(num_shards))).with_split_size(1).flat_map(run)
         if iterable_state.reads(self, epoch.number):  # DYNAMIC: by splits
             return iterable_state.reading(self, pipeline, epoch.number, shards=True)

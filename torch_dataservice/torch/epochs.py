@@ -128,6 +128,14 @@ class EpochPlanner:
             assert self.seed is not None
             epoch.worker_seed = seeded_worker_seed(self.seed, epoch.number)
             return epoch
+        if (epoch.rng is not None and epoch.yielded == 0 and not epoch.positions
+                and sampling.global_rng_at(epoch.rng)):
+            # A restored epoch from its start, and the global RNG is where it drew from (the
+            # user restored it with the checkpoint, or it has not moved since the save): drawn
+            # as a fresh epoch, so the global RNG advances as torch's and the next epoch
+            # continues from there instead of drawing this one again.
+            sampling.restore(loader, epoch.rng)
+            epoch.rng = None
         if epoch.rng is None:
             epoch.rng = sampling.rng_snapshot(loader)
             self._draw_seeds(loader, epoch, iterable)
@@ -167,6 +175,8 @@ class EpochPlanner:
                 self.round -= 1
                 if self.round < 0:
                     self.worker_seed, self.round = None, 0
+        else:  # saved before any iter(): the restored epoch draws the workers' seed anew
+            self.worker_seed, self.round = None, 0
         return epoch
 
     def draw(self, loader: Any, epoch: Epoch, rank: int, world: int, split: bool,

@@ -8,13 +8,18 @@ processes. Fetching is torch's own `_MapDatasetFetcher`, so `__getitems__`, auto
 Each batch is made as torch's worker `position % num_workers` would make it (its WorkerInfo,
 `worker_init_fn` run first in each process), with the RNGs seeded for that batch alone as torch
 seeds a worker, `base_seed + position` (worker_context.py): the same seed gives the same
-augmentations whichever executor makes the batch, and the first `num_workers` batches of an
-epoch get exactly torch's. An exception becomes a `BatchError` element, so the epoch goes on
-with the next batch as torch's does.
+augmentations whichever executor makes the batch. A worker's first batch starts from the RNG
+states its `worker_init_fn` left, so the first `num_workers` batches of an epoch get exactly
+torch's, also when `worker_init_fn` seeds. An exception becomes a `BatchError` element, so the
+epoch goes on with the next batch as torch's does.
+
+The dataset, collate_fn and worker_init_fn are pickled together (`DatasetCopies`), so a
+worker_init_fn that is a method of the dataset configures the copy that makes the batches.
 """
 
 from __future__ import annotations
 
+import pickle
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +28,7 @@ from typing import Any
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
 from torch_dataservice.errors import RemoteError, describe_exception
+from torch_dataservice.pipeline import pickling
 from torch_dataservice.pipeline.shared_objects import SharedObjectRef
 from torch_dataservice.torch.worker_context import (
     RngStates,
@@ -33,6 +39,7 @@ from torch_dataservice.torch.worker_context import (
 )
 
 _init_lock = threading.Lock()
+_copy_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -65,7 +72,6 @@ class EpochSeeds:
     base_seed: int
     round: int = 0
     num_workers: int = 0
-    worker_init_fn: Callable[[int], None] | None = None
     stride: int = 1
     offset: int = 0
     first: int = 0
@@ -74,15 +80,16 @@ class EpochSeeds:
 class FetchBatch:
     """`(position, index_batch) -> (position, collate_fn([dataset[i] for i in index_batch]))`."""
 
-    def __init__(self, dataset: Any, auto_collation: bool,
-                 collate_fn: Callable[[Any], Any]) -> None:
+    def __init__(self, dataset: Any, auto_collation: bool, collate_fn: Callable[[Any], Any],
+                 worker_init_fn: Callable[[int], None] | None = None) -> None:
         self.dataset = dataset
         self.auto_collation = auto_collation
         self.collate_fn = collate_fn
+        self.worker_init_fn = worker_init_fn
 
     def __getstate__(self) -> dict:
         return {"dataset": self.dataset, "auto_collation": self.auto_collation,
-                "collate_fn": self.collate_fn}
+                "collate_fn": self.collate_fn, "worker_init_fn": self.worker_init_fn}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -93,13 +100,16 @@ class FetchBatch:
             return position, self._fetcher().fetch(index)
         number = seeds.first + position  # the batch's number in this rank's whole epoch
         try:
-            info = None
+            info, rng = None, None
             if seeds.num_workers > 0:
                 info = worker_info(number % seeds.num_workers, seeds.num_workers,
                                    seeds.base_seed, self.dataset)
-                self._init_worker(info, seeds)
-            rng = RngStates.seeded(round_seed(seeds.base_seed, seeds.round),
-                                   number * seeds.stride + seeds.offset)
+                after_init = self._init_worker(info, seeds)
+                if number == info.id and seeds.round == 0:  # the worker's first batch
+                    rng = after_init
+            if rng is None:
+                rng = RngStates.seeded(round_seed(seeds.base_seed, seeds.round),
+                                       number * seeds.stride + seeds.offset)
             with as_torch_worker(info, rng, keep=False):  # a batch's RNGs end with it
                 return position, self._fetcher().fetch(index)
         except Exception as error:
@@ -112,36 +122,83 @@ class FetchBatch:
                 self.dataset, self.auto_collation, plain_collate(self.collate_fn), False)
         return fetcher
 
-    def _init_worker(self, info: Any, seeds: EpochSeeds) -> None:
+    def _init_worker(self, info: Any, seeds: EpochSeeds) -> RngStates | None:
         """worker_init_fn(id) once per worker id in this process: per epoch, or once for
-        persistent workers (whose base seed stays). As in torch, a failure is the error of
-        that worker's first batch, and later batches go on."""
-        if seeds.worker_init_fn is None:
-            return
+        persistent workers (whose base seed stays), from the RNG states of that worker's first
+        batch; returns where it left them (None without one, or when it failed). As in torch, a
+        failure is the error of that worker's first batch, and later batches go on."""
+        if self.worker_init_fn is None:
+            return None
         key = (seeds.base_seed, info.id)
-        with _init_lock:  # the replicas of several tasks share this object, as threads
-            done = self.__dict__.setdefault("_initialized", set())
+        # The replicas of several tasks may share this object, as threads: one runs the init,
+        # the others wait for the states it leaves.
+        with _init_lock:
+            done = self.__dict__.setdefault("_initialized", {})
             if key in done:
-                return
-            done.add(key)
-        with as_torch_worker(info, RngStates.seeded(seeds.base_seed, info.id), keep=False):
-            seeds.worker_init_fn(info.id)
+                return done[key]
+            done[key] = None
+            rng = RngStates.seeded(seeds.base_seed, info.id * seeds.stride + seeds.offset)
+            with as_torch_worker(info, rng):
+                self.worker_init_fn(info.id)
+            done[key] = rng
+            return rng
+
+
+class DatasetCopies:
+    """A loader's FetchBatch, pickled once, from which executor processes make their copies
+    as torch's workers get theirs: a fresh copy for every epoch (`iter()`), or with
+    persistent workers one copy per process for the loader's life. `owner` (persistent
+    workers only) names the loader, so that two loaders over equal datasets never share one.
+
+    Registered as a shared object (pipeline/shared_objects.py): its bytes travel to an executor
+    process once, not once per epoch.
+    """
+
+    def __init__(self, fetch: FetchBatch, owner: str | None) -> None:
+        self.data = pickling.dumps(fetch)  # names an attribute that cannot be pickled
+        self.owner = owner
+
+    def __getstate__(self) -> dict:
+        return {"data": self.data, "owner": self.owner}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+    def copy(self) -> FetchBatch:
+        if self.owner is None:
+            return pickle.loads(self.data)
+        with _copy_lock:  # the replicas of the loader's epochs share this object, as threads
+            kept = self.__dict__.get("_kept")
+            if kept is None:
+                kept = self.__dict__["_kept"] = pickle.loads(self.data)
+                self.data = b""  # never unpickled again here
+            return kept
 
 
 class SharedFetchBatch:
-    """A `FetchBatch` registered once as a shared object, called through its reference with
-    this epoch's seeds.
+    """An epoch's batches made through the loader's `DatasetCopies` (registered once as a
+    shared object, referred to by `source`) with this epoch's seeds.
 
-    An epoch's pipeline holds this instead of the FetchBatch itself, so the dataset travels and
-    is unpickled once per executor process, not once per epoch (pipeline/shared_objects.py).
+    An epoch's pipeline holds this instead of the FetchBatch itself, so the dataset travels
+    once per executor process, not once per epoch (pipeline/shared_objects.py); each executor
+    process unpickles the epoch's pipeline once, and so makes one copy per epoch.
     """
 
-    def __init__(self, fetch: SharedObjectRef, seeds: EpochSeeds | None = None) -> None:
-        self.fetch = fetch
+    def __init__(self, source: SharedObjectRef, seeds: EpochSeeds | None = None) -> None:
+        self.source = source
         self.seeds = seeds
 
+    def __getstate__(self) -> dict:
+        return {"source": self.source, "seeds": self.seeds}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
     def __call__(self, item: tuple[int, Any]) -> tuple[int, Any]:
-        fetch = self.fetch
-        if isinstance(fetch, SharedObjectRef):
-            raise RuntimeError(f"{fetch!r} is only resolved in a worker's executor")
+        fetch = self.__dict__.get("_copy")
+        if fetch is None:
+            source = self.source
+            if isinstance(source, SharedObjectRef):
+                raise RuntimeError(f"{source!r} is only resolved in a worker's executor")
+            fetch = self.__dict__["_copy"] = source.copy()  # one replica's thread calls this
         return fetch(item, self.seeds)

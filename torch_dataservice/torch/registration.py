@@ -1,9 +1,11 @@
 """Registering a `tds.DataLoader`'s epochs with the service, and naming their jobs.
 
-Map-style: the dataset and collate_fn (a `FetchBatch`) are registered apart, as a shared object
-(pipeline/shared_objects.py), when first seen or when their pickle changed (as torch's
-non-persistent workers would see a changed dataset); with `persistent_workers=True` it is
-pickled once, as torch's persistent workers keep their first copy. Each epoch registers
+Map-style: the dataset, collate_fn and worker_init_fn (a `FetchBatch`, pickled in a
+`DatasetCopies`) are registered apart, as a shared object (pipeline/shared_objects.py), when
+first seen or when their pickle changed (as torch's non-persistent workers would see a changed
+dataset); with `persistent_workers=True` it is pickled once, as torch's persistent workers keep
+their first copy, and registered under the loader's own name (its job_name, or a random one),
+so that no other loader shares its workers' copies. Each epoch registers
 `from_items([(position, index_batch), ...]).with_split_size(1).map(SharedFetchBatch(ref))` as
 an ephemeral dataset, forgotten once its iteration is garbage-collected.
 
@@ -18,7 +20,8 @@ replace, which the service may still hold.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -40,7 +43,12 @@ from torch_dataservice.torch.distributed import (
     restart_count,
     run_seed,
 )
-from torch_dataservice.torch.fetch import EpochSeeds, FetchBatch, SharedFetchBatch
+from torch_dataservice.torch.fetch import (
+    DatasetCopies,
+    EpochSeeds,
+    FetchBatch,
+    SharedFetchBatch,
+)
 
 _iterable_loaders = itertools.count()  # names the shared jobs of iterable loaders under DDP
 
@@ -68,8 +76,10 @@ class Registrar:
     target_workers: str = "AUTO"  # as tds.distribute's: which workers this loader reads
     token: str | None = None
     passes: int = 0
-    # (service, fingerprint, dataset id) of the FetchBatch registered as a shared object.
-    shared: tuple[str, str, str] | None = None
+    # (service, fingerprint, dataset id, owner) of the DatasetCopies registered as a shared
+    # object (owner: see DatasetCopies).
+    shared: tuple[str, str, str, str | None] | None = None
+    name: str = field(default_factory=lambda: uuid.uuid4().hex)  # a persistent loader's owner
 
     @classmethod
     def new_iterable_number(cls) -> int:
@@ -86,15 +96,20 @@ class Registrar:
 
     # ------------------------------------------------------------------ map-style
     def fetch_ref(self, fetch: FetchBatch, persistent: bool) -> SharedObjectRef:
-        """The dataset and collate_fn as a shared object (see the module docstring)."""
+        """The dataset, collate_fn and worker_init_fn as a shared object (see the module
+        docstring). Pickled before any contact with the service."""
         key = str(self.target())
         cached = self.shared
         if cached is not None and cached[0] == key and persistent:
             return SharedObjectRef(cached[2])
-        definition = shared_object_def(fetch)
+        # Loaders sharing a job (job_name) share its batches, so also their workers' copies.
+        owner = None
+        if persistent:
+            owner = job_identity(self.job_name) if self.job_name is not None else self.name
+        definition = shared_object_def(DatasetCopies(fetch, owner))
         if cached is None or cached[:2] != (key, definition.fingerprint):
             dataset_id = register_definition(self.target(), definition)
-            cached = self.shared = (key, definition.fingerprint, dataset_id)
+            cached = self.shared = (key, definition.fingerprint, dataset_id, owner)
         return SharedObjectRef(cached[2])
 
     def read_epoch(self, epoch: int, items: list[tuple[int, Any]], seeds: EpochSeeds,
@@ -107,8 +122,9 @@ class Registrar:
             if error.code() != grpc.StatusCode.NOT_FOUND:
                 raise
             # The dispatcher lost the shared object (restarted without a journal): again.
+            persistent = self.shared is not None and self.shared[3] is not None
             self.shared = None
-            ref = self.fetch_ref(fetch, persistent=False)
+            ref = self.fetch_ref(fetch, persistent)
             dataset_id = self._register_epoch(service, items, seeds, ref)
         return from_dataset_id(self.policy, service, dataset_id, job_name=self.user_job(epoch),
                                max_outstanding_requests=self.max_outstanding,

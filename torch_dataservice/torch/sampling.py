@@ -137,6 +137,12 @@ def restore(loader: torch.utils.data.DataLoader, snapshot: dict[str, torch.Tenso
         torch.set_rng_state(snapshot[GLOBAL_RNG])
 
 
+def global_rng_at(snapshot: dict[str, torch.Tensor]) -> bool:
+    """Whether torch's global RNG is now in the state `snapshot` saved."""
+    saved = snapshot.get(GLOBAL_RNG)
+    return saved is not None and torch.equal(torch.get_rng_state(), saved)
+
+
 @contextlib.contextmanager
 def replaying(loader: torch.utils.data.DataLoader,
               snapshot: dict[str, torch.Tensor]) -> Iterator[None]:

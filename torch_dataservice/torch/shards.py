@@ -6,7 +6,9 @@ each element once, one that does not yields one replica per worker. Here worker 
 shard k, one DYNAMIC split of the pipeline `from_items(range(N)).flat_map(RunShard(...))`: the
 dispatcher hands each shard to one executor process, which runs it as torch's worker k would
 (a fresh copy of the dataset, its WorkerInfo, its RNG stream seeded `base_seed + k`,
-`worker_init_fn(k)` first), so the elements, batches and augmentations are torch's. A
+`worker_init_fn(k)` first), so the elements, batches and augmentations are torch's. The
+dataset, collate_fn and worker_init_fn are pickled together, so a worker_init_fn that is a
+method of the dataset configures the shard's copy. A
 process runs one shard of a loader at a time, so ids are unique among the processes serving
 the loader; with more executor processes than N, the others have no part in it.
 
@@ -21,9 +23,9 @@ import pickle
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import cloudpickle
 from torch.utils.data._utils.fetch import _IterableDatasetFetcher
 
+from torch_dataservice.pipeline import pickling
 from torch_dataservice.torch.fetch import BatchError, EpochSeeds
 from torch_dataservice.torch.worker_context import (
     RngStates,
@@ -52,19 +54,21 @@ class RunShard:
 
     def __init__(self, dataset: Any, seeds: EpochSeeds, auto_collation: bool,
                  collate_fn: Callable[[Any], Any], drop_last: bool, batch_size: int | None,
-                 end_markers: bool) -> None:
-        # Pickled here: every shard unpickles its own copy, as torch's workers get theirs.
-        self.dataset_bytes = cloudpickle.dumps(dataset)
+                 end_markers: bool, worker_init_fn: Callable[[int], None] | None = None) -> None:
+        # Pickled here (an error names what cannot be pickled): every shard unpickles its own
+        # copy, as torch's workers get theirs.
+        self.worker_bytes = pickling.dumps(
+            {"dataset": dataset, "collate_fn": collate_fn, "worker_init_fn": worker_init_fn})
         self.seeds = seeds
         self.auto_collation = auto_collation
-        self.collate_fn = collate_fn
         self.drop_last = drop_last
         self.batch_size = batch_size
         self.end_markers = end_markers
 
     def __call__(self, shard: int) -> Iterator[tuple[int, int, Any]]:
         seeds = self.seeds
-        dataset = pickle.loads(self.dataset_bytes)
+        worker = pickle.loads(self.worker_bytes)
+        dataset, worker_init_fn = worker["dataset"], worker["worker_init_fn"]
         num_workers = max(1, seeds.num_workers)
         base_seed = round_seed(seeds.base_seed, seeds.round)
         # num_workers=0: torch reads in the main process, where get_worker_info() is None.
@@ -75,10 +79,11 @@ class RunShard:
         position = 0
         with as_torch_worker(info, rng):
             try:
-                if seeds.worker_init_fn is not None and info is not None:
-                    seeds.worker_init_fn(shard)
+                if worker_init_fn is not None and info is not None:
+                    worker_init_fn(shard)
                 fetcher = _IterableDatasetFetcher(dataset, self.auto_collation,
-                                                  plain_collate(self.collate_fn), self.drop_last)
+                                                  plain_collate(worker["collate_fn"]),
+                                                  self.drop_last)
             except Exception as error:  # torch: the worker's first result is this error
                 failed: Any = BatchError.of(error)
         if fetcher is None:
