@@ -64,6 +64,7 @@ def test_file_urls_stay_urls_and_local_paths_stay_paths(tmp_path) -> None:
     assert tds.read_bytes(tmp_path / "a.txt") == b"a.txt"  # os.PathLike too
 
 
+@pytest.mark.integration
 def test_one_filesystem_object_per_protocol_and_none_inherited_by_a_child(
         memory_root: str) -> None:
     put(f"memory://{memory_root}/a", b"a")
