@@ -28,6 +28,7 @@ from torch_dataservice.dispatcher import (
     tasks,
     validation,
 )
+from torch_dataservice.dispatcher.cadence import Cadence, admitted
 from torch_dataservice.dispatcher.effects import Effects
 from torch_dataservice.dispatcher.journal import Journal
 from torch_dataservice.dispatcher.observe import DispatcherObserver, durable
@@ -59,6 +60,9 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         self._worker_timeout_s = config.effective_worker_timeout_ms / 1000
         self._gc_timeout_s = config.effective_job_gc_timeout_ms / 1000
         self._lock = threading.RLock()
+        self._cadence = Cadence(config.effective_heartbeat_budget_rps,
+                                config.effective_max_pending_rpcs)
+        self._views = tasks.ClientViews()  # what every client's reply shares, per change
         self._state = recovery.replay(journal)
         self._soft = SoftState.restored(self._state, clock())
         self._pusher = TaskPusher()
@@ -75,12 +79,25 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
     def close(self) -> None:
         self._pusher.close()
 
+    @property
+    def cadence(self) -> Cadence:
+        return self._cadence
+
+    def _worker_timeout(self) -> float:
+        """worker_timeout_ms, or longer while the fleet is asked to report less often."""
+        return self._cadence.timeout_s("worker", self._worker_timeout_s)
+
+    def _client_timeout(self) -> float:
+        """When a silent reader is taken for dead (worker_timeout_ms, or longer: cadence)."""
+        return self._cadence.timeout_s("client", self._worker_timeout_s)
+
     def _apply(self, *updates: Update | None) -> None:
         for update in updates:
             if update is None:
                 continue
             self._journal.append(update)  # durable before any reply: see observe.durable
             self._state.apply(update)
+            self._views.note(update)
         self._journal.maybe_compact(self._state)
 
     # ------------------------------------------------------------------ datasets
@@ -128,6 +145,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             self._apply(Update(create_job=dispatcher_pb2.CreateJob(job_id=job_id, config=config)))
             return dispatcher_pb2.GetOrCreateJobResponse(job_id=job_id)
 
+    @admitted
     @servicer_method
     @durable
     def GetOrCreateIteration(self, request, context):
@@ -162,6 +180,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             created=new)
 
     # ------------------------------------------------------------------ clients
+    @admitted
     @servicer_method
     @durable
     def ClientHeartbeat(self, request, context):
@@ -174,12 +193,14 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             added: list[Update] = []
             if coordinated.is_coordinated(self._state, iteration):
                 added = self._coordinate(iteration, request)
-            held = self._state.is_finished(iteration) and splits.end_held(
-                self._state, self._soft, iteration, self._clock(), self._worker_timeout_s)
-            reply = tasks.client_reply(self._state, iteration,
+            view = self._views.get(self._state, iteration)
+            held = view.finished and splits.end_held(
+                self._state, self._soft, iteration, self._clock(), self._client_timeout())
+            reply = tasks.client_reply(self._state, iteration, view, request.known_tasks_version,
                                        self._soft.take_settled(iteration, request.client_id),
                                        self._soft.proposals.get(iteration.iteration_id), held)
             reply.declared_silent = request.client_id in self._soft.silent_clients
+            reply.next_heartbeat_ms = self._cadence.client_ms
             pushes = self._effects.pushes(added)
         self._pusher.push(pushes)
         return reply
@@ -225,6 +246,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         self._observe.release(client_id, iteration.iteration_id, why)
 
     # ------------------------------------------------------------------ workers
+    @admitted
     @servicer_method
     @durable
     def WorkerHeartbeat(self, request, context):
@@ -258,7 +280,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                                                     self._num_workers)
             response = dispatcher_pb2.WorkerHeartbeatResponse(
                 worker_index=self._state.workers[address].index, new_tasks=new,
-                tasks_to_delete=delete)
+                tasks_to_delete=delete, next_heartbeat_ms=self._cadence.worker_ms)
         self._pusher.push(pushes)
         return response
 
@@ -283,6 +305,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         return dispatcher_pb2.WorkerUpdateResponse()
 
     # ------------------------------------------------------------------ splits
+    @admitted
     @servicer_method
     @durable
     def GetSplit(self, request, context):
@@ -312,7 +335,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             try:
                 produce = splits.next_split(self._state, self._soft, iteration,
                                             request.repetition, task, self._clock(),
-                                            self._worker_timeout_s)
+                                            self._client_timeout())
             except NotReadyError:
                 if granted:
                     break
@@ -342,8 +365,10 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
 
     def cluster_status(self) -> status_pb2.GetClusterStatusResponse:
         with self._lock:
-            return status.cluster_status(self._state, self._soft, self._observe, self._clock(),
-                                         self._worker_timeout_s)
+            reply = status.cluster_status(self._state, self._soft, self._observe, self._clock(),
+                                          self._worker_timeout())
+        self._cadence.fill(reply.load)
+        return reply
 
     # ------------------------------------------------------------------ liveness
     def check_liveness(self) -> None:
@@ -351,22 +376,25 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         now = self._clock()
         pushes: list[Push] = []
         with self._lock:
+            self._cadence.update(len(self._state.workers), len(self._state.clients), now)
+            self._views.forget_collected(self._state)
             for address in liveness.silent_workers(self._state, self._soft, now,
-                                                   self._worker_timeout_s):
+                                                   self._worker_timeout()):
                 logger.warning("worker %s missed heartbeats for %.1fs: removed",
                                address, now - self._soft.worker_seen[address])
                 pushes += self._effects.remove_worker(address)
                 del self._soft.worker_seen[address]
             for client_id in liveness.newly_silent_clients(self._state, self._soft, now,
-                                                           self._worker_timeout_s):
+                                                           self._client_timeout()):
                 iteration = self._state.iteration_of_client(client_id)
                 logger.warning("client %d of iteration %d silent for %.1fs: what it did not "
                                "acknowledge goes to the other clients", client_id,
                                iteration.iteration_id, now - self._soft.client_seen[client_id])
                 self._soft.note_silent(client_id, iteration.iteration_id)
                 pushes += self._effects.requeue_unacknowledged(iteration)
-            for client_id in liveness.silent_clients(self._state, self._soft, now,
-                                                     self._gc_timeout_s):
+            for client_id in liveness.silent_clients(
+                    self._state, self._soft, now,
+                    self._cadence.timeout_s("client", self._gc_timeout_s)):
                 self._release_client(client_id, f"silent for "
                                      f"{now - self._soft.client_seen[client_id]:.1f}s: released")
             for iteration in liveness.idle_iterations(self._state, self._soft, now,
