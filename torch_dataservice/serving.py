@@ -84,14 +84,15 @@ class Health:
 
 
 class BackgroundLoop:
-    """Call `body()` every `interval_s` on a daemon thread until `stop()`.
+    """Call `body()` every `interval_s` on a daemon thread until `stop()` (`body` may change
+    `interval_s`: a heartbeat's next interval is the dispatcher's to set).
 
     Exceptions in `body` are logged and the loop goes on: a transient failure must not end
     heartbeats or liveness checks for the life of the process.
     """
 
     def __init__(self, name: str, interval_s: float, body: Callable[[], None]) -> None:
-        self._interval_s = interval_s
+        self.interval_s = interval_s
         self._body = body
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -101,7 +102,7 @@ class BackgroundLoop:
 
     def _run(self) -> None:
         failures = 0
-        while not self._stop.wait(self._interval_s):
+        while not self._stop.wait(self.interval_s):
             try:
                 self._body()
                 failures = 0

@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from torch_dataservice.errors import RETRY_AFTER_KEY
 from torch_dataservice.proto import status_pb2
 
 WORKER_DEFAULT_S = 0.5  # WorkerConfig.effective_heartbeat_interval_ms
@@ -34,7 +35,6 @@ SPLIT_RETRY_AFTER_S = 0.2
 HEARTBEATS = frozenset({"ClientHeartbeat", "WorkerHeartbeat"})
 # Refused at full capacity; every other RPC (registration, release, status) is always served.
 SHEDDABLE = HEARTBEATS | {"GetSplit", "GetOrCreateIteration"}
-RETRY_AFTER_KEY = "tds-retry-after-ms"
 
 
 def population_stretch(workers: int, clients: int, budget_rps: float) -> float:
