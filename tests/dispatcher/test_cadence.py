@@ -168,3 +168,27 @@ def test_an_unchanged_task_list_is_not_sent_again() -> None:
     changed = service.ClientHeartbeat(request, None)
     assert not changed.tasks_unchanged and len(changed.tasks) == 3
     service.close()
+
+
+def test_a_settled_split_is_told_to_the_clients_that_reported_it_not_to_every_client() -> None:
+    service = make_service(Clock())
+    iteration_id, client = start_epoch(service, workers=("a:1",))
+    job_id = service.state.iteration(iteration_id).job_id
+    bystander, late = (service.GetOrCreateIteration(
+        pb.GetOrCreateIterationRequest(job_id=job_id), None).client_id for _ in range(2))
+    a = task_of(service, iteration_id, "a:1")
+    get_split(service, iteration_id, a)
+    get_split(service, iteration_id, a, finished=(0, 0, 3))
+
+    def beat(client_id: int, ranges=()) -> pb.ClientHeartbeatResponse:
+        request = client_request(service, client_id)
+        if ranges:
+            request.received.add(split=common_pb2.SplitKey(repetition=0, index=0),
+                                 offset_ranges=ranges)
+        return service.ClientHeartbeat(request, None)
+
+    assert [s.split.index for s in beat(client, (0, 3)).settled] == [0]
+    assert not beat(bystander).settled  # it holds nothing of split 0: nothing to compact
+    # Elements of a split settled meanwhile (handed again elsewhere): told at once.
+    assert [s.num_elements for s in beat(late, (1, 2)).settled] == [3]
+    service.close()

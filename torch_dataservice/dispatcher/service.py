@@ -197,7 +197,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             held = view.finished and splits.end_held(
                 self._state, self._soft, iteration, self._clock(), self._client_timeout())
             reply = tasks.client_reply(self._state, iteration, view, request.known_tasks_version,
-                                       self._soft.take_settled(iteration, request.client_id),
+                                       self._soft.take_settled(request.client_id),
                                        self._soft.proposals.get(iteration.iteration_id), held)
             reply.declared_silent = request.client_id in self._soft.silent_clients
             reply.next_heartbeat_ms = self._cadence.client_ms
@@ -222,6 +222,8 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         self._observe.client(request.client_id, iteration.iteration_id, request.load,
                              self._clock())
         update = splits.delivered(iteration, request.received)
+        self._soft.note_reported(iteration, request.client_id,
+                                 [(r.split.repetition, r.split.index) for r in request.received])
         if update is not None:
             keys = [(r.split.repetition, r.split.index) for r in update.record_delivered.splits]
             sizes = {key: iteration.produced[key] for key in keys if key in iteration.produced}
