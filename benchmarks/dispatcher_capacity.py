@@ -392,7 +392,10 @@ def run_mode(mode: str, sizes: list[tuple[int, int]], seconds: float, ramp: floa
         job_id = create_job(dispatcher.address, mode)
         sims = Sims(dispatcher.address, procs, split_rate)
         for workers, clients in sizes:
+            grow_began = time.perf_counter()
             sims.grow(workers, clients, job_id)
+            log(f"  {mode}: {workers} workers + {clients} clients joined in "
+                f"{time.perf_counter() - grow_began:.1f} s")
             time.sleep(ramp)  # every worker has its task and is asking for splits
             t0, cpu0 = time.time(), dispatcher.cpu_seconds()
             sim_cpu0 = sum(s["cpu_s"] for s in sims.stats(t0, t0))
@@ -402,13 +405,18 @@ def run_mode(mode: str, sizes: list[tuple[int, int]], seconds: float, ramp: floa
             wall = t1 - t0
             counts: dict[str, int] = {}
             latencies: list[float] = []
-            errors = refused = 0
+            refused = 0
+            error_kinds: dict[str, int] = {}
             for s in stats:
                 for kind, count in s["counts"].items():
                     counts[kind] = counts.get(kind, 0) + count
                 latencies += s["split_latencies"]
-                errors += len(s["errors"])
+                for kind in s["errors"]:
+                    error_kinds[kind] = error_kinds.get(kind, 0) + 1
                 refused += s["refused"]
+            errors = sum(error_kinds.values())
+            if errors:
+                log(f"  {mode}: errors {sorted(error_kinds.items(), key=lambda e: -e[1])[:3]}")
             worker_s = max(s["intervals"][0] for s in stats)
             client_s = max(s["intervals"][1] for s in stats)
             offered = workers / worker_s + workers * split_rate + clients / client_s

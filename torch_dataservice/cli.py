@@ -96,7 +96,7 @@ FLAGS: dict[str, list[Flag]] = {
                                        "(default: 500)", "int"),
         Flag("--max-pending-rpcs", "requests handled at once: past half of it heartbeats, "
                                    "past it splits are refused with a retry-after (default: "
-                                   "48)", "int"),
+                                   "24)", "int"),
         PORT_FILE,
         METRICS_PORT,
         *TLS_FLAGS,

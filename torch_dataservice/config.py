@@ -150,7 +150,7 @@ class DispatcherConfig:
 
     @property
     def effective_max_pending_rpcs(self) -> int:
-        return self.max_pending_rpcs or 48
+        return self.max_pending_rpcs or 24
 
     @property
     def effective_worker_timeout_ms(self) -> int:

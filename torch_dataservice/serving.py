@@ -25,14 +25,15 @@ logger = logging.getLogger(__name__)
 
 def start_grpc_server(
     register: Callable[[grpc.Server], None], host: str, port: int, max_workers: int = 64,
-    tls: TLSConfig | None = None,
+    tls: TLSConfig | None = None, executor: ThreadPoolExecutor | None = None,
 ) -> tuple[grpc.Server, int]:
     """Start a gRPC server with `register(server)` adding the servicers; returns (server, port).
-    With `tls`, it serves over TLS only (and requires client certificates given a CA)."""
+    With `tls`, it serves over TLS only (and requires client certificates given a CA).
+    `executor` runs the handlers (default: `max_workers` threads)."""
     auth.check_bind(host, tls)
     note_server_started()
     server = grpc.server(
-        ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        executor or ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         options=SERVER_OPTIONS,
         interceptors=auth.server_interceptors(),
     )

@@ -98,6 +98,12 @@ def test_past_capacity_heartbeats_are_refused_first_and_registration_never() -> 
     assert meter.admit("GetOrRegisterDataset") is None  # rare and needed: always served
     for _ in range(5):
         meter.done()
+    # A request that waited long for a handler thread is refused at once: what is served
+    # is served fast. Heartbeats wait half as long.
+    assert meter.admit("GetSplit", queued_s=2 * cadence.MAX_QUEUED_S) is not None
+    assert meter.admit("WorkerHeartbeat", queued_s=0.6 * cadence.MAX_QUEUED_S) is not None
+    assert meter.admit("GetSplit", queued_s=0.6 * cadence.MAX_QUEUED_S) is None
+    meter.done()
     meter.update(1, 1, now=1.0)  # refusals stretch the intervals of even a small fleet
     assert meter.load > 1.0 and meter.client_ms > 0
     meter.update(1, 1, now=2.0)

@@ -8,7 +8,10 @@ and tells each peer its interval in every reply. Stretching is capped (MAX_INTER
 the liveness timeouts grow with it (LIVENESS_BEATS intervals), so a dead worker is noticed
 within 30 s at any size. Past its capacity (too many requests in its handlers at once) the
 dispatcher refuses with RESOURCE_EXHAUSTED and a retry-after: heartbeats first, GetSplit only
-well past it, so heartbeats are stretched before splits are delayed.
+well past it, so heartbeats are stretched before splits are delayed. Capacity is measured
+two ways: requests in the handlers at once, and how long a request waited for a handler
+thread (QueuedExecutor): a request that waited past MAX_QUEUED_S is refused at once, so the
+latency of the requests served stays bounded however many arrive.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +34,10 @@ CLIENT_DEFAULT_S = 0.1  # client/membership.py HEARTBEAT_INTERVAL_S
 MAX_INTERVAL_S = 5.0  # either kind, however big the fleet
 LIVENESS_BEATS = 4  # a peer is silent after this many missed intervals (or the timeout)
 MAX_LOAD_STRETCH = 8.0
+REFUSED_SHARE = 0.01  # refusing more than this share of requests stretches the intervals
 SPLIT_RETRY_AFTER_S = 0.2
+# A request that waited this long for a handler thread is refused (heartbeats at half of it).
+MAX_QUEUED_S = 0.1
 # The RPCs refused first (at half the capacity): what a stretched interval makes up for.
 HEARTBEATS = frozenset({"ClientHeartbeat", "WorkerHeartbeat"})
 # Refused at full capacity; every other RPC (registration, release, status) is always served.
@@ -81,8 +88,8 @@ class Cadence:
     """The intervals in force and the admission of requests (thread-safe, cheap per RPC)."""
 
     def __init__(self, budget_rps: float, max_pending: int) -> None:
-        """DispatcherConfig.heartbeat_budget_rps and max_pending_rpcs (the server has 64
-        threads: past 48 requests at once, the rest only queue)."""
+        """DispatcherConfig.heartbeat_budget_rps and max_pending_rpcs (the dispatcher has
+        32 handler threads, dispatcher/server.py)."""
         self.budget_rps, self.max_pending = budget_rps, max_pending
         self._lock = threading.Lock()
         self.pending = 0
@@ -99,11 +106,14 @@ class Cadence:
         return self.population * self.load
 
     # ------------------------------------------------------------------ per request
-    def admit(self, method: str) -> float | None:
-        """Count a request in; None if admitted (call `done` after), else the retry-after (s)."""
+    def admit(self, method: str, queued_s: float = 0.0) -> float | None:
+        """Count a request in; None if admitted (call `done` after), else the retry-after (s).
+        `queued_s`: how long it waited for a handler thread."""
         with self._lock:
-            limit = self.max_pending // 2 if method in HEARTBEATS else self.max_pending
-            if method in SHEDDABLE and self.pending >= max(1, limit):
+            heartbeat = method in HEARTBEATS
+            limit = self.max_pending // 2 if heartbeat else self.max_pending
+            if method in SHEDDABLE and (self.pending >= max(1, limit) or queued_s > (
+                    MAX_QUEUED_S / 2 if heartbeat else MAX_QUEUED_S)):
                 self.refused += 1
                 if method == "WorkerHeartbeat":
                     return max(WORKER_DEFAULT_S, self.worker_ms / 1000)
@@ -132,10 +142,12 @@ class Cadence:
         self.rpcs_per_s = (answered - answered_then) / wall
         self.refused_per_s = (refused - refused_then) / wall
         # Only refusals stretch further: CPU alone is no sign of trouble (a small fleet's
-        # dispatcher may share a busy host) and must not slow its failure detection.
-        if refused > refused_then:
+        # dispatcher may share a busy host) and must not slow its failure detection. A stray
+        # refusal (a slow fsync holding requests) neither stretches nor relaxes.
+        refused_now, answered_now = refused - refused_then, answered - answered_then
+        if refused_now > REFUSED_SHARE * max(1, answered_now):
             self.load = min(MAX_LOAD_STRETCH, self.load * 1.5)
-        else:
+        elif not refused_now:
             self.load = max(1.0, self.load / 1.25)
         self.population = population_stretch(workers, clients, self.budget_rps)
         self.worker_ms = interval_ms(WORKER_DEFAULT_S, self.stretch)
@@ -163,7 +175,9 @@ def admitted(method: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
-        retry_after = self.cadence.admit(name)
+        queued_at = getattr(_queued, "at", None)
+        retry_after = self.cadence.admit(
+            name, 0.0 if queued_at is None else time.monotonic() - queued_at)
         if retry_after is not None:
             ms = round(retry_after * 1000)
             context.set_trailing_metadata(((RETRY_AFTER_KEY, str(ms)),))
@@ -176,3 +190,20 @@ def admitted(method: Callable[..., Any]) -> Callable[..., Any]:
             self.cadence.done()
 
     return wrapper
+
+
+_queued = threading.local()  # when the request this thread handles was queued
+
+
+class QueuedExecutor(ThreadPoolExecutor):
+    """The gRPC server's handler threads, noting when each request was queued for one (see
+    `admitted`): past capacity requests wait here, where no handler sees them otherwise."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        queued = time.monotonic()
+
+        def timed() -> Any:
+            _queued.at = queued
+            return fn(*args, **kwargs)
+
+        return super().submit(timed)

@@ -8,6 +8,7 @@ import threading
 import grpc
 
 from torch_dataservice.config import DispatcherConfig
+from torch_dataservice.dispatcher.cadence import QueuedExecutor
 from torch_dataservice.dispatcher.journal import Journal, NullJournal
 from torch_dataservice.dispatcher.observe import DispatcherObserver, collector
 from torch_dataservice.dispatcher.service import DispatcherService
@@ -18,6 +19,10 @@ from torch_dataservice.serving import BackgroundLoop, Health, advertised_host, s
 logger = logging.getLogger(__name__)
 
 DISPATCHER_SERVICE_NAME = "torch_dataservice.v1.DispatcherService"
+# Its handlers share one lock and the GIL: more threads add no CPU, only a convoy whose wait
+# no handler sees. Enough to batch journal fsyncs (group commit); past them, requests wait in
+# the executor's queue, where admission sees how long (dispatcher/cadence.py).
+HANDLER_THREADS = 32
 
 
 def _open_journal(config: DispatcherConfig) -> Journal:
@@ -85,8 +90,9 @@ class DispatchServer:
             dispatcher_pb2_grpc.add_DispatcherServiceServicer_to_server(self._service, server)
             health.register(server)
 
-        self._server, self._port = start_grpc_server(register, self._config.host,
-                                                     self._config.port, tls=self._config.tls)
+        self._server, self._port = start_grpc_server(
+            register, self._config.host, self._config.port, tls=self._config.tls,
+            executor=QueuedExecutor(max_workers=HANDLER_THREADS, thread_name_prefix="grpc"))
         health.set_serving(True)  # the journal is replayed: requests see the whole state
         interval = min(self._config.effective_job_gc_check_interval_ms,
                        self._config.effective_worker_timeout_ms // 4 or 1) / 1000
