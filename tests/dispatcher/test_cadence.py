@@ -111,18 +111,20 @@ def test_past_capacity_heartbeats_are_refused_first_and_registration_never() -> 
     assert meter.load < 1.5
 
 
+class Refused(Exception):
+    pass
+
+
+class RecordingContext(Context):
+    def set_trailing_metadata(self, metadata) -> None:
+        self.metadata = dict(metadata)
+
+    def abort(self, code, details) -> None:
+        self.code = code
+        raise Refused(f"{code.name}: {details}")
+
+
 def test_a_refused_request_carries_its_retry_after_in_the_trailing_metadata() -> None:
-    class Refused(Exception):
-        pass
-
-    class RecordingContext(Context):
-        def set_trailing_metadata(self, metadata) -> None:
-            self.metadata = dict(metadata)
-
-        def abort(self, code, details) -> None:
-            self.code = code
-            raise Refused(details)
-
     service = make_service(Clock(), max_pending_rpcs=1)
     iteration_id, client = start_epoch(service)
     service.cadence.pending = 1  # one request in the handlers already
@@ -197,4 +199,24 @@ def test_a_settled_split_is_told_to_the_clients_that_reported_it_not_to_every_cl
     assert not beat(bystander).settled  # it holds nothing of split 0: nothing to compact
     # Elements of a split settled meanwhile (handed again elsewhere): told at once.
     assert [s.num_elements for s in beat(late, (1, 2)).settled] == [3]
+    service.close()
+
+
+def test_a_peer_whose_heartbeats_are_refused_for_overload_is_not_taken_for_dead() -> None:
+    clock = Clock()
+    service = make_service(clock, worker_timeout_ms=1000, max_pending_rpcs=1)
+    iteration_id, client = start_epoch(service, workers=("refused:1", "silent:1"))
+    service.cadence.pending = 1  # busy: every heartbeat is refused from now on
+    # Refusing stretches the intervals, and the timeouts with them (at most 20 s).
+    for _ in range(60):
+        clock.now += 0.5
+        with pytest.raises(Refused, match="RESOURCE_EXHAUSTED"):
+            service.WorkerHeartbeat(pb.WorkerHeartbeatRequest(
+                worker_address="refused:1", worker_uid=1), RecordingContext())
+        with pytest.raises(Refused, match="RESOURCE_EXHAUSTED"):
+            service.ClientHeartbeat(client_request(service, client), RecordingContext())
+        service.check_liveness()
+    assert list(service.state.workers) == ["refused:1"]  # the silent one is gone
+    assert client not in service._soft.silent_clients  # noqa: SLF001
+    service.cadence.pending = 0
     service.close()

@@ -98,6 +98,8 @@ class Cadence:
         self.worker_ms = self.client_ms = 0
         self._peaks = {"worker": _Peak(), "client": _Peak()}
         self.answered = self.refused = 0  # counters since start
+        # Peers whose heartbeat was refused, and when: refused is not silent (liveness).
+        self._refused_beats: dict[tuple[str, Any], float] = {}
         self.cores = self.rpcs_per_s = self.refused_per_s = 0.0
         self._last = (time.monotonic(), time.process_time(), 0, 0)
 
@@ -122,6 +124,19 @@ class Cadence:
                 return SPLIT_RETRY_AFTER_S
             self.pending += 1
             return None
+
+    def refused_beat(self, method: str, request: Any, now: float) -> None:
+        """A heartbeat was refused: its sender is alive all the same."""
+        key = (("worker", request.worker_address) if method == "WorkerHeartbeat"
+               else ("client", request.client_id))
+        with self._lock:
+            self._refused_beats[key] = now
+
+    def take_refused_beats(self) -> dict[tuple[str, Any], float]:
+        """(kind, worker address or client id) -> when its last heartbeat was refused."""
+        with self._lock:
+            beats, self._refused_beats = self._refused_beats, {}
+        return beats
 
     def done(self) -> None:
         with self._lock:
@@ -179,6 +194,8 @@ def admitted(method: Callable[..., Any]) -> Callable[..., Any]:
         retry_after = self.cadence.admit(
             name, 0.0 if queued_at is None else time.monotonic() - queued_at)
         if retry_after is not None:
+            if name in HEARTBEATS:
+                self.cadence.refused_beat(name, request, self._clock())
             ms = round(retry_after * 1000)
             context.set_trailing_metadata(((RETRY_AFTER_KEY, str(ms)),))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -379,6 +379,10 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         pushes: list[Push] = []
         with self._lock:
             self._cadence.update(len(self._state.workers), len(self._state.clients), now)
+            for (kind, peer), when in self._cadence.take_refused_beats().items():
+                seen = self._soft.worker_seen if kind == "worker" else self._soft.client_seen
+                if peer in seen:  # refused for overload is not silent
+                    seen[peer] = max(seen[peer], when)
             self._views.forget_collected(self._state)
             for address in liveness.silent_workers(self._state, self._soft, now,
                                                    self._worker_timeout()):

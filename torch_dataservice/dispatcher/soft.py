@@ -104,9 +104,11 @@ class SoftState:
         """`client_id` reports receiving elements of the splits `keys` (before the report is
         applied): it hears of their settling, at once for those settled already."""
         watch = self.settle_watch.setdefault(iteration.iteration_id, {})
-        requeued = {(split.repetition, split.index) for split in iteration.requeued}
+        requeued: set[tuple[int, int]] | None = None  # built only if needed: it may be long
         for key in keys:
-            if key in iteration.delivered or key in requeued:
+            if key not in iteration.delivered and requeued is None:
+                requeued = {(split.repetition, split.index) for split in iteration.requeued}
+            if key in iteration.delivered or (requeued is not None and key in requeued):
                 watch.setdefault(key, set()).add(client_id)
             elif key in iteration.sizes:
                 self.settle_news.setdefault(client_id, []).append((*key, iteration.sizes[key]))

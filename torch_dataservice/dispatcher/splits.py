@@ -182,9 +182,11 @@ def delivered(iteration: Iteration,
     """Record the offsets a client reports received, for splits that are still tracked."""
     for report in received:
         check_ranges(report)
-    requeued = {(s.repetition, s.index) for s in iteration.requeued}
-    tracked = [r for r in received
-               if _key(r.split) in iteration.delivered or _key(r.split) in requeued]
+    untracked = [r for r in received if _key(r.split) not in iteration.delivered]
+    tracked = [r for r in received if _key(r.split) in iteration.delivered]
+    if untracked and iteration.requeued:  # rare: late reports of a dead worker's splits
+        requeued = {(s.repetition, s.index) for s in iteration.requeued}
+        tracked += [r for r in untracked if _key(r.split) in requeued]
     if not tracked:
         return None
     return Update(record_delivered=dispatcher_pb2.RecordDelivered(
