@@ -71,6 +71,7 @@ class Sim:
         self.events: deque[tuple[float, str, float]] = deque()  # (end time, kind, latency)
         self.errors: deque[tuple[float, str]] = deque()
         self.refusals: deque[float] = deque()  # RESOURCE_EXHAUSTED with a retry-after
+        self.lags: deque[tuple[float, float]] = deque()  # (time, event loop lag)
         self.received: deque[tuple[int, int]] = deque()  # (task id, split index) to report
         self.channels: list = []
         self.coroutines: list[asyncio.Task] = []
@@ -202,8 +203,17 @@ class Sim:
                 self.client_interval_s = interval
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - began)))
 
+    async def probe(self) -> None:
+        """How late this simulator's event loop runs: latency it adds to every call."""
+        while True:
+            began = time.monotonic()
+            await asyncio.sleep(0.05)
+            self.lags.append((time.time(), time.monotonic() - began - 0.05))
+
     async def grow(self, workers: int, clients: int) -> None:
         loop = asyncio.get_running_loop()
+        if not self.coroutines:
+            self.coroutines.append(asyncio.ensure_future(self.probe()))
         waits = []
         while self.workers < workers:
             future = loop.create_future()
@@ -230,6 +240,7 @@ class Sim:
         errors = [kind for end, kind in self.errors if t0 <= end <= t1]
         return {"counts": counts, "split_latencies": latencies, "errors": errors,
                 "refused": sum(t0 <= t <= t1 for t in self.refusals),
+                "lags": [lag for t, lag in self.lags if t0 <= t <= t1],
                 "cpu_s": time.process_time(),
                 "intervals": (self.worker_interval_s, self.client_interval_s)}
 
@@ -369,6 +380,7 @@ class Row:
     errors: int
     worker_interval_ms: float  # in force (asked by the dispatcher, or the default)
     client_interval_ms: float
+    sim_lag_p99_ms: float  # simulators' event-loop lag: latency not the dispatcher's
 
     @property
     def sustained(self) -> bool:
@@ -415,6 +427,7 @@ def run_mode(mode: str, sizes: list[tuple[int, int]], seconds: float, ramp: floa
                     error_kinds[kind] = error_kinds.get(kind, 0) + 1
                 refused += s["refused"]
             errors = sum(error_kinds.values())
+            lags = [lag for s in stats for lag in s["lags"]]
             if errors:
                 log(f"  {mode}: errors {sorted(error_kinds.items(), key=lambda e: -e[1])[:3]}")
             worker_s = max(s["intervals"][0] for s in stats)
@@ -427,13 +440,14 @@ def run_mode(mode: str, sizes: list[tuple[int, int]], seconds: float, ramp: floa
                       dispatcher.rss_mb(), offered, achieved, refused / wall,
                       counts.get("get_split", 0) / wall,
                       1000 * percentile(latencies, 0.5), 1000 * percentile(latencies, 0.99),
-                      errors, 1000 * worker_s, 1000 * client_s)
+                      errors, 1000 * worker_s, 1000 * client_s, 1000 * percentile(lags, 0.99))
             rows.append(row)
             log(f"  {mode}: {workers} workers + {clients} clients: dispatcher "
                 f"{row.cores:.2f} cores (simulators {row.sim_cores:.2f}), "
                 f"GetSplit p50 {row.split_p50_ms:.1f} ms p99 {row.split_p99_ms:.1f} ms, "
                 f"RPCs {achieved:,.0f}/{offered:,.0f} per s, refused {row.refused_rps:,.0f}/s, "
-                f"intervals {row.worker_interval_ms:.0f}/{row.client_interval_ms:.0f} ms")
+                f"intervals {row.worker_interval_ms:.0f}/{row.client_interval_ms:.0f} ms, "
+                f"simulator loop lag p99 {row.sim_lag_p99_ms:.0f} ms")
             if row.cores > stop_cores:
                 log(f"  {mode}: above {stop_cores} cores: larger steps skipped")
                 break
