@@ -19,9 +19,9 @@ All workers and clients share one DYNAMIC job (one iteration): N trainers readin
 The population grows step by step (`--workers` and `--clients`, paired lists); each step runs
 `--seconds` after a ramp, and per step we read the dispatcher's CPU from /proc/PID/stat over
 the window (cores = CPU seconds / wall seconds), the simulators' own CPU apart, the GetSplit
-latency of the answered requests (p50/p99, seen by the stubs), the RPCs answered and refused
-against those offered at the intervals in force (a simulator that falls behind, or a
-dispatcher that does, shows as achieved < offered).
+latency of the answered requests (p50/p99, seen by the stubs, beside the simulators' own
+event-loop lag), the RPCs answered and refused against those offered (GetSplit at its fixed
+rate; heartbeats: every attempt, at the intervals in force, which move during a window).
 
 Baseline, same run: the offered load itself (achieved/offered) and the budget of a core.
 "sustains" = the dispatcher used <= 1 core and answered >= 95% of the offered RPCs. The
@@ -70,7 +70,7 @@ class Sim:
         self.address, self.index, self.split_rate = address, index, split_rate
         self.events: deque[tuple[float, str, float]] = deque()  # (end time, kind, latency)
         self.errors: deque[tuple[float, str]] = deque()
-        self.refusals: deque[float] = deque()  # RESOURCE_EXHAUSTED with a retry-after
+        self.refusals: deque[tuple[float, str]] = deque()  # RESOURCE_EXHAUSTED + retry-after
         self.lags: deque[tuple[float, float]] = deque()  # (time, event loop lag)
         self.received: deque[tuple[int, int]] = deque()  # (task id, split index) to report
         self.channels: list = []
@@ -101,7 +101,7 @@ class Sim:
         except grpc.aio.AioRpcError as error:
             hint = dict(error.trailing_metadata() or ()).get(RETRY_AFTER_KEY)
             if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and hint is not None:
-                self.refusals.append(time.time())
+                self.refusals.append((time.time(), kind))
                 await asyncio.sleep(int(hint) / 1000 * (0.5 + random.random()))
             else:
                 self.errors.append((time.time(), f"{kind}: {error.code().name}"))
@@ -239,7 +239,7 @@ class Sim:
                     latencies.append(latency)
         errors = [kind for end, kind in self.errors if t0 <= end <= t1]
         return {"counts": counts, "split_latencies": latencies, "errors": errors,
-                "refused": sum(t0 <= t <= t1 for t in self.refusals),
+                "refused": [kind for t, kind in self.refusals if t0 <= t <= t1],
                 "lags": [lag for t, lag in self.lags if t0 <= t <= t1],
                 "cpu_s": time.process_time(),
                 "intervals": (self.worker_interval_s, self.client_interval_s)}
@@ -417,7 +417,7 @@ def run_mode(mode: str, sizes: list[tuple[int, int]], seconds: float, ramp: floa
             wall = t1 - t0
             counts: dict[str, int] = {}
             latencies: list[float] = []
-            refused = 0
+            refused: list[str] = []
             error_kinds: dict[str, int] = {}
             for s in stats:
                 for kind, count in s["counts"].items():
@@ -432,12 +432,17 @@ def run_mode(mode: str, sizes: list[tuple[int, int]], seconds: float, ramp: floa
                 log(f"  {mode}: errors {sorted(error_kinds.items(), key=lambda e: -e[1])[:3]}")
             worker_s = max(s["intervals"][0] for s in stats)
             client_s = max(s["intervals"][1] for s in stats)
-            offered = workers / worker_s + workers * split_rate + clients / client_s
+            # GetSplit is offered at a fixed rate; heartbeats at the intervals in force, which
+            # move during a window: every attempt made (answered, refused or failed) counts.
+            beats = ("worker_heartbeat", "client_heartbeat")
+            offered = workers * split_rate + (
+                sum(counts.get(k, 0) for k in beats) + sum(k in beats for k in refused)
+                + sum(n for k, n in error_kinds.items() if k.split(":")[0] in beats)) / wall
             achieved = sum(counts.get(k, 0) for k in
                            ("worker_heartbeat", "get_split", "client_heartbeat")) / wall
             row = Row(mode, workers, clients, wall, (cpu1 - cpu0) / wall,
                       (sum(s["cpu_s"] for s in stats) - sim_cpu0) / wall,
-                      dispatcher.rss_mb(), offered, achieved, refused / wall,
+                      dispatcher.rss_mb(), offered, achieved, len(refused) / wall,
                       counts.get("get_split", 0) / wall,
                       1000 * percentile(latencies, 0.5), 1000 * percentile(latencies, 0.99),
                       errors, 1000 * worker_s, 1000 * client_s, 1000 * percentile(lags, 0.99))
