@@ -172,6 +172,9 @@ def test_an_unchanged_task_list_is_not_sent_again() -> None:
     again = service.ClientHeartbeat(request, None)
     assert again.tasks_unchanged and not again.tasks
     assert again.tasks_version == first.tasks_version
+    service.GetOrCreateIteration(pb.GetOrCreateIterationRequest(  # a reader joins: no change
+        job_id=service.state.iteration(iteration_id).job_id), None)
+    assert service.ClientHeartbeat(request, None).tasks_unchanged
     heartbeat_worker(service, "c:1")  # a worker joins: the list changed
     changed = service.ClientHeartbeat(request, None)
     assert not changed.tasks_unchanged and len(changed.tasks) == 3

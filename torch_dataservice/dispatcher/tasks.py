@@ -98,9 +98,12 @@ class ClientView:
     tasks: tuple[common_pb2.TaskInfo, ...]
 
 
-# Updates that never change a ClientView: the per-split traffic of DYNAMIC reads. (A
-# ProduceSplit from the requeue list does: an iteration with requeued splits is not finished.)
-_VIEW_NEUTRAL = frozenset({"record_delivered", "split_produced"})
+# Updates that may change a ClientView: workers and tasks that come and go, and requeued
+# splits (an iteration holding some is not finished). Not the per-split traffic of DYNAMIC
+# reads, nor clients that join or leave (a thousand readers joining must not each make every
+# other reader's next reply carry the whole task list).
+_VIEW_CHANGES = frozenset({"register_worker", "remove_worker", "create_task", "finish_task",
+                           "garbage_collect_iteration", "remove_round_tasks", "requeue_split"})
 
 
 class ClientViews:
@@ -116,8 +119,7 @@ class ClientViews:
     def note(self, update: Update) -> None:
         """`update` was applied to the state."""
         kind = update.WhichOneof("kind")
-        if kind not in _VIEW_NEUTRAL and not (kind == "produce_split"
-                                              and not update.produce_split.requeued):
+        if kind in _VIEW_CHANGES or (kind == "produce_split" and update.produce_split.requeued):
             self._version += 1
 
     def get(self, state: DispatcherState, iteration: Iteration) -> ClientView:
