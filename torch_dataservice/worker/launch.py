@@ -21,6 +21,10 @@ front's at its first worker. Executors draw fresh numpy random numbers (a fork w
 copy the fork server's global generator into every executor; Python's `random` reseeds itself).
 The fork server stays for the front's next worker; it exits when the front does.
 
+It forks one other kind of process (`start_process`): a training script's embedded service
+(torch/embedded.py), which runs gRPC servers out of the script's process and forks a fork
+server of its own, before it starts them, for its worker's executors.
+
 A process that has imported all of that, runs one thread and has started no gRPC server or
 channel yet (the `torch-dataservice worker` command, before it builds its server; a training
 script when its first embedded DataLoader is built) starts its fork server as a fork of
