@@ -78,9 +78,6 @@ def embedded_target() -> str:
     with _lock:
         if _service is None:
             _service = _start()
-            # Before concurrent.futures' own exit hook (threading's atexit runs in reverse
-            # order, ahead of atexit's): readers release their iterations over gRPC.
-            threading._register_atexit(shutdown)  # type: ignore[attr-defined]
             atexit.register(shutdown)
         return _service.target
 
