@@ -134,3 +134,28 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+RESTART_SCRIPT = """
+    import os, signal, time
+    import torch
+    import torch_dataservice as tds
+    from torch_dataservice.torch import embedded
+
+    if __name__ == "__main__":
+        loader = tds.DataLoader(list(range(16)), batch_size=4, num_workers=2)
+        assert sum(len(batch) for batch in loader) == 16
+        killed = embedded._service.process
+        os.kill(killed.pid, signal.SIGKILL)
+        assert killed.wait(30)
+        assert sum(len(batch) for batch in loader) == 16
+        assert embedded._service.process.pid != killed.pid
+        print("ok")
+"""
+
+
+def test_a_killed_service_is_started_again_for_the_next_epoch(tmp_path) -> None:
+    result = run(tmp_path, RESTART_SCRIPT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "ok"
+    assert "exited; starting another" in result.stderr

@@ -73,11 +73,19 @@ def resolve(service: object) -> tuple[object, bool]:
 
 
 def embedded_target() -> str:
-    """`grpc://HOST:PORT` of this process's embedded dispatcher, started on first call."""
+    """`grpc://HOST:PORT` of this process's embedded dispatcher, started on first call (and
+    again if it exited)."""
     global _service
     with _lock:
+        if _service is not None and _service.process.wait(0):
+            # Killed (the OOM killer?): the epochs under way are lost, the next ones need not be.
+            logger.warning("the embedded service (pid %d) exited; starting another",
+                           _service.process.pid)
+            _service.conn.close()
+            _service = None
         if _service is None:
             _service = _start()
+            atexit.unregister(shutdown)  # once, however many it started
             atexit.register(shutdown)
         return _service.target
 
