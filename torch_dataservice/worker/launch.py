@@ -75,7 +75,7 @@ ORPHAN_GRACE_S = 10.0
 _HEADER = struct.Struct("!I")  # request length, sent with the request's file descriptors
 _REPLY = struct.Struct("!i")  # the executor's pid (0: the fork failed), sent with its pidfd
 
-# What an executor process runs: `main(Connection(conn_fd), **kwargs)` (see Main).
+# What an executor process runs, as `run_main` runs any: `main(Connection(conn_fd), **kwargs)`.
 EXECUTOR_MAIN = "torch_dataservice.worker.executor_process:executor_main"
 
 _INTERPRETER_BOOT = (
