@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from torch_dataservice import auth
+from torch_dataservice import auth, fork_gate
 from torch_dataservice.errors import (
     ERROR_KIND_KEY,
     VERSION_MISMATCH_KIND,
@@ -96,8 +96,8 @@ def grpc_started() -> bool:
 def channel_to(address: str) -> grpc.Channel:
     """A shared channel to `address` (one per address, token and TLS settings per process),
     carrying the fleet's token when one is set and over TLS when `TORCH_DATASERVICE_TLS_CA` is
-    set (see auth.py). Keyed by both: a channel made before they were set must not serve a
-    server that requires them (e.g. on a reused port)."""
+    set (see auth.py); its calls hold off forks (fork_gate.py). Keyed by both: a channel made
+    before they were set must not serve a server that requires them (e.g. on a reused port)."""
     tls = auth.client_tls()
     key = (address, auth.token(), tls)
     with _channels_lock:
@@ -106,7 +106,7 @@ def channel_to(address: str) -> grpc.Channel:
             raw = (grpc.secure_channel(address, auth.channel_credentials(tls),
                                        options=CHANNEL_OPTIONS)
                    if tls is not None else grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
-            channel = auth.secure_channel(raw)
+            channel = fork_gate.gated(auth.secure_channel(raw))
             _channels[key] = channel
         return channel
 

@@ -187,7 +187,13 @@ class DataLoader(torch.utils.data.DataLoader):
         self._tds_progress: Progress | None = None
         self._tds_epoch: Epoch | None = None  # the latest iter()'s
         self._tds_stats = ClientStats(rank=self._tds_ranks.rank)  # see stats()
-        self.check_worker_number_rationality()  # torch's warning, as its __init__ gives it
+        self._tds_check_workers()  # torch's warning, as its __init__ gives it
+
+    def _tds_check_workers(self) -> None:
+        """torch's warning that `num_workers` exceeds this machine's cores, where the service's
+        executors share them (the embedded service); a remote service's do not."""
+        if self._tds_registrar.embedded:
+            self.check_worker_number_rationality()
 
     def stats(self) -> dict[str, Any]:
         """What this loader took and waited for, over its life: batches, elements and bytes
@@ -231,7 +237,7 @@ class DataLoader(torch.utils.data.DataLoader):
     # ------------------------------------------------------------------------ iteration
 
     def __iter__(self) -> LoaderIterator:
-        self.check_worker_number_rationality()  # torch warns at every iter() too
+        self._tds_check_workers()  # torch warns at every iter() too
         epoch = self._tds_epochs.begin(self, self._tds_iterable)
         self._tds_epoch = epoch
         stats = self._tds_stats
