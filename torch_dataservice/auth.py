@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 
 from torch_dataservice.config import TLSConfig
+from torch_dataservice.peers import PeerLog, peer_host
 
 logger = logging.getLogger(__name__)
 
@@ -89,12 +90,16 @@ class TokenCheck(grpc.ServerInterceptor):
         given_bytes = given.encode() if isinstance(given, str) else given
         if handler is None or hmac.compare_digest(given_bytes, self._expected):
             return handler
-        return _refusal(handler)
+        return _refusal(handler, handler_call_details.method)
 
 
-def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+# Once per peer per minute, with a count: a peer without the token must not flood the log.
+_refused = PeerLog(logger, "refused a call (missing or wrong token)")
+
+
+def _refusal(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
     def refuse(request: Any, context: grpc.ServicerContext) -> Any:
-        logger.warning("refused a call from %s: missing or wrong token", context.peer())
+        _refused.note(peer_host(context.peer()), method)
         context.abort(grpc.StatusCode.UNAUTHENTICATED,
                       f"missing or wrong {TOKEN_ENV} token")
 

@@ -111,9 +111,17 @@ class DispatcherConfig:
     journal_recovery: str = "fail"
     metrics_port: int | None = None  # Prometheus /metrics: None off, 0 a free port
     tls: TLSConfig | None = None  # serve gRPC over TLS (mTLS with a ca_file)
+    # What requests may make the dispatcher hold (a refused request names the limit).
+    max_dataset_bytes: int = 1 << 30  # one dataset definition (the pickled pipeline)
+    max_datasets: int = 10_000  # datasets registered at once
+    max_workers: int = 10_000  # workers registered at once
 
     def __post_init__(self) -> None:
         _check_port(self.port)
+        for name in ("max_dataset_bytes", "max_datasets", "max_workers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
         _check_tls(self.tls)
         _check_metrics_port(self.metrics_port)
         _check_protocol(self.protocol)
@@ -178,6 +186,7 @@ class WorkerConfig:
     # most a sixteenth of an epoch's splits); 0 asks only when a process needs one.
     split_prefetch: int = 64
     data_port: int = 0
+    data_port_max_connections: int = 1024  # open at once; more are refused as they come
     drain_timeout_s: float = 30.0
     metrics_port: int | None = None  # Prometheus /metrics: None off, 0 a free port
     executor_torch_threads: int | None = 1
@@ -192,6 +201,11 @@ class WorkerConfig:
             raise ValueError(f"executor_torch_threads must be an int >= 1 or None, "
                              f"got {self.executor_torch_threads!r}")
         _check_port(self.data_port, "data_port")
+        if (isinstance(self.data_port_max_connections, bool)
+                or not isinstance(self.data_port_max_connections, int)
+                or self.data_port_max_connections <= 0):
+            raise ValueError(f"data_port_max_connections must be a positive int, "
+                             f"got {self.data_port_max_connections!r}")
         _check_worker_address(self.worker_address)
         if (isinstance(self.drain_timeout_s, bool)
                 or not isinstance(self.drain_timeout_s, (int, float))

@@ -99,6 +99,9 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                     return dispatcher_pb2.GetOrRegisterDatasetResponse(dataset_id=existing)
                 dataset_id = self._state.free_dataset_id()
             if dataset_id not in self._state.datasets:
+                validation.check_dataset_limits(self._state, definition,
+                                                self._config.max_dataset_bytes,
+                                                self._config.max_datasets)
                 self._apply(Update(register_dataset=dispatcher_pb2.RegisterDataset(
                     dataset_id=dataset_id, dataset=definition)))
             return dispatcher_pb2.GetOrRegisterDatasetResponse(dataset_id=dataset_id)
@@ -168,6 +171,8 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             recovery.check_client(self._state, self._soft, self._journal.recovered_from,
                                   request.client_id)
             iteration = self._state.iteration_of_client(request.client_id)
+            if coordinated.is_coordinated(self._state, iteration):
+                validation.check_consumer(request, self._state.job(iteration.job_id).config)
             self._record_delivered(iteration, request)
             self._soft.client_fenced[request.client_id] = frozenset(request.fenced_tasks)
             added: list[Update] = []
@@ -243,6 +248,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                 return dispatcher_pb2.WorkerHeartbeatResponse()
             if worker is None:
                 validation.check_worker(request)
+                validation.check_worker_limit(self._state, self._config.max_workers)
                 index = validation.worker_index(address, self._config.worker_addresses or ())
                 self._apply(Update(register_worker=dispatcher_pb2.RegisterWorker(
                     worker_address=address, worker_uid=request.worker_uid, worker_index=index,

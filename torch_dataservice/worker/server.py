@@ -136,7 +136,8 @@ class WorkerServer:
             # (worker/data_port.py).
             self._data_port = DataPort(self._service.fetch, self._registered.is_set,
                                        self._config.host, self._config.data_port,
-                                       tls=self._config.tls)
+                                       tls=self._config.tls,
+                                       max_connections=self._config.data_port_max_connections)
             self._data_port.on_sent = self._service.counters.sent
             self._data_port.start()
             self._start_metrics()
