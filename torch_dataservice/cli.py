@@ -71,8 +71,12 @@ TLS_FLAGS = [
     Flag("--tls-cert", "PEM certificate: serve gRPC (and a worker's data port) over TLS; also "
                        "presented when this process dials a server that requires one"),
     Flag("--tls-key", "PEM private key of --tls-cert"),
-    Flag("--tls-ca", "PEM CA: require client certificates it signed (mTLS; then no token is "
-                     "needed beyond loopback), and trust servers it signed"),
+    Flag("--tls-ca", "PEM CA: trust servers it signed, and (with --tls-client-auth "
+                     "required) require client certificates it signed (mTLS; then no token is "
+                     "needed beyond loopback)"),
+    Flag("--tls-client-auth", "whether a server with --tls-ca requires client certificates: "
+                              "required (mTLS, default) or none (TLS only)",
+         default="required", choices=("required", "none")),
 ]
 FLAGS: dict[str, list[Flag]] = {
     "dispatcher": [
@@ -255,7 +259,7 @@ def _tls(args: argparse.Namespace) -> TLSConfig | None:
     if not (args.tls_cert and args.tls_key):
         raise ValueError("--tls-cert and --tls-key go together (and --tls-ca needs both), got "
                          f"--tls-cert={args.tls_cert!r} --tls-key={args.tls_key!r}")
-    tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_ca)
+    tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_ca, args.tls_client_auth)
     os.environ[auth.TLS_CERT_ENV], os.environ[auth.TLS_KEY_ENV] = tls.cert_file, tls.key_file
     if tls.ca_file:
         os.environ[auth.TLS_CA_ENV] = tls.ca_file

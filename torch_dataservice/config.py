@@ -57,26 +57,36 @@ def _check_readable(name: str, path: object) -> str:
     return text
 
 
+CLIENT_AUTH = ("required", "none")
+
+
 @dataclass(frozen=True)
 class TLSConfig:
-    """A server's TLS identity: PEM `cert_file` and `key_file`. `ca_file` also requires
-    clients to present a certificate signed by it (mTLS), which then authenticates them
-    (see auth.check_bind). Files are checked when built so a typo fails at start."""
+    """A server's TLS identity: PEM `cert_file` and `key_file`. `ca_file` is the CA its
+    process trusts when it dials (a CLI worker its dispatcher) and, with
+    `client_auth="required"` (the default), also the CA whose certificate every client must
+    present (mTLS), which then authenticates them (see auth.check_bind); `"none"` serves TLS
+    without asking for client certificates. Files are checked when built so a typo fails at
+    start."""
 
     cert_file: str
     key_file: str
     ca_file: str | None = None
+    client_auth: str = "required"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cert_file", _check_readable("cert_file", self.cert_file))
         object.__setattr__(self, "key_file", _check_readable("key_file", self.key_file))
         if self.ca_file is not None:
             object.__setattr__(self, "ca_file", _check_readable("ca_file", self.ca_file))
+        if self.client_auth not in CLIENT_AUTH:
+            raise ValueError(f"client_auth must be one of {CLIENT_AUTH}, "
+                             f"got {self.client_auth!r}")
 
     @property
     def mutual(self) -> bool:
         """Clients must present a certificate (mTLS)."""
-        return self.ca_file is not None
+        return self.ca_file is not None and self.client_auth == "required"
 
 
 def _check_tls(tls: object) -> None:

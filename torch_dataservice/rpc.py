@@ -142,6 +142,7 @@ def retry(
     reported = 0
     backoff = initial_backoff_s
     attempt = 0
+    probed = False
     while True:
         attempt += 1
         try:
@@ -149,6 +150,11 @@ def retry(
         except grpc.RpcError as error:
             if not is_retryable(error):
                 raise
+            if not probed and "Socket closed" in (error.details() or ""):
+                probed = True  # once: a plaintext channel against a TLS server is no outage
+                mismatch = auth.plaintext_against_tls(error.details() or "")
+                if mismatch is not None:
+                    raise ServiceUnavailableError(f"{description}: {mismatch}") from error
             now = time.monotonic()
             remaining, waited = end - now, now - started
             if remaining <= 0 or (stop is not None and stop.is_set()):
