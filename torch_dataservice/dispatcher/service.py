@@ -104,6 +104,8 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                                                 self._config.max_datasets)
                 self._apply(Update(register_dataset=dispatcher_pb2.RegisterDataset(
                     dataset_id=dataset_id, dataset=definition)))
+                if definition.ephemeral:  # removed if no job reads it in time (liveness)
+                    self._soft.ephemeral_reused[dataset_id] = self._clock()
             return dispatcher_pb2.GetOrRegisterDatasetResponse(dataset_id=dataset_id)
 
     @servicer_method
@@ -352,7 +354,8 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
 
     # ------------------------------------------------------------------ liveness
     def check_liveness(self) -> None:
-        """Declare silent workers dead, release silent clients, collect idle iterations."""
+        """Declare silent workers dead, release silent clients, collect idle iterations and
+        ephemeral datasets no job read in time."""
         now = self._clock()
         pushes: list[Push] = []
         with self._lock:
@@ -380,5 +383,12 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                             iteration.iteration_id,
                             now - self._soft.iteration_idle_since[iteration.iteration_id])
                 self._effects.collect(iteration, now)
+            for dataset_id in liveness.expired_ephemerals(self._soft, now, self._gc_timeout_s):
+                removal = liveness.unread_ephemeral(self._state, self._soft, dataset_id, now,
+                                                    self._gc_timeout_s)
+                if removal is not None:
+                    logger.info("ephemeral dataset %s was not read within %.0fs: removed",
+                                dataset_id, self._gc_timeout_s)
+                    self._apply(removal)
         self._journal.sync()
         self._pusher.push(pushes)
