@@ -51,7 +51,7 @@ class SoftState:
     rounds: dict[int, dict[int, int]] = field(default_factory=dict)
     proposals: dict[int, Any] = field(default_factory=dict)
     # Ephemeral datasets a registration was just answered with: kept for a job_gc_timeout_ms,
-    # so the registrant's job finds them.
+    # so the registrant's job finds them; then removed unless an iteration reads them.
     ephemeral_reused: dict[str, float] = field(default_factory=dict)
     # Clients whose iteration a journal recovery dropped.
     dropped_clients: set[int] = field(default_factory=set)
@@ -66,6 +66,8 @@ class SoftState:
                                   if not it.garbage_collected and not it.client_ids},
             requeued_at=requeued_at,
             requeued_time=dict.fromkeys(requeued_at, now),
+            ephemeral_reused={d: now for d, dataset in state.datasets.items()
+                              if dataset.definition.ephemeral},
         )
 
     # ------------------------------------------------------------------ bookkeeping
