@@ -31,14 +31,15 @@ def _drain(worker: ServerProcess) -> None:
 
 
 def _read_the_sequence(cluster: ProcessCluster, work_dir: str, mode: str,
-                       stop: Callable[[ServerProcess], None]) -> list[list[tuple[int, int]]]:
+                       stop: Callable[[ServerProcess], None],
+                       outstanding: int | None = None) -> list[list[tuple[int, int]]]:
     """The rounds read, each as the (pid, element) of every consumer."""
     dispatcher = cluster.start_dispatcher(
         "--fault-tolerant", "--work-dir", work_dir, "--worker-timeout-ms", "1000")
     workers = [cluster.start_worker("--drain-timeout-s", "1") for _ in range(2)]
     readers = [iter(tds.Pipeline.range(10**9).map(tag_with_pid).apply(tds.distribute(
-        mode, cluster.target, job_name="sequence", consumer_index=i,
-        num_consumers=CONSUMERS))) for i in range(CONSUMERS)]
+        mode, cluster.target, job_name="sequence", consumer_index=i, num_consumers=CONSUMERS,
+        max_outstanding_requests=outstanding))) for i in range(CONSUMERS)]
     rounds: list[list[tuple[int, int]]] = []
 
     def read_rounds(step: str) -> None:
@@ -81,10 +82,15 @@ def test_workers_that_leave_gracefully_keep_the_consumers_in_lockstep(
 
 
 @pytest.mark.parametrize("mode", ["parallel_epochs", "distributed_epoch"])
+@pytest.mark.parametrize("outstanding", [None, 1])
 def test_workers_killed_in_the_sequence_lose_only_their_unfinished_rounds(
-        process_cluster: ProcessCluster, tmp_path, mode: str) -> None:
+        process_cluster: ProcessCluster, tmp_path, mode: str, outstanding: int | None) -> None:
+    """With one outstanding request, a consumer whose round reached it before the kill holds
+    it, and its fetch waits for that slot at the next round: it reaches a lost worker's round
+    only when the application takes from it, which a reader taking in turn does not do while
+    another consumer waits on that lost round."""
     rounds = _read_the_sequence(process_cluster, str(tmp_path / "work"), mode,
-                                ServerProcess.kill)
+                                ServerProcess.kill, outstanding)
     # A worker killed mid-round leaves that round read by some consumers only (its elements
     # died with it); every other round reaches every consumer, whole.
     if mode == "parallel_epochs":  # each worker's stream is range(): its groups are known
