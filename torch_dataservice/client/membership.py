@@ -97,7 +97,12 @@ class Membership:
         self.skipped_tasks = False  # some tasks are not read here (LOCAL)
         self.fatal: BaseException | None = None
         self._heartbeat_lock = threading.Lock()
-        self._warned_silent = False
+        # When the last heartbeat the dispatcher answered was sent (time.monotonic()): after
+        # a pause, the reader asks before it yields more (IterationReader._after_pause).
+        self.answered_at = time.monotonic()
+        # Splits handed to the job's other readers while this one was declared silent (a
+        # paused process): the consumer drops what it holds of them before it yields more.
+        self.handed_again: set[tuple[int, int]] | None = None
 
     def fail(self, error: BaseException) -> None:
         with self.lock:
@@ -116,6 +121,7 @@ class Membership:
             self.heartbeat()
 
     def _beat(self) -> bool:
+        sent_at = time.monotonic()
         request = dispatcher_pb2.ClientHeartbeatRequest(client_id=self.client_id)
         if self.load is not None:
             request.load.CopyFrom(self.load())
@@ -136,20 +142,19 @@ class Membership:
             self.fail(rpc_error_to_exception(error, "client heartbeat"))
             return False
         self.down_since = None
-        if response.declared_silent and not self._warned_silent:
-            self._warned_silent = True
-            logger.warning(
-                "this reader (client %d of iteration %d) was silent for longer than the "
-                "dispatcher's worker_timeout_ms (its process paused or starved?) and was taken "
-                "for dead: what it had received and not yet acknowledged may also have been "
-                "handed to the job's other readers, so some elements may be delivered twice",
-                self.client_id, self.iteration_id)
-        if self._delivery and response.lost_task_ids:
+        if response.declared_silent and self._delivery:
+            keys = {(k.repetition, k.index) for k in response.handed_again}
+            with self.lock:
+                self.handed_again = (self.handed_again or set()) | keys
+        # Not while the consumer has yet to drop what was handed again: a fence would count
+        # what it holds of the lost tasks as taken (the next heartbeat fences).
+        if self._delivery and response.lost_task_ids and self.handed_again is None:
             self._delivery.fence(response.lost_task_ids)
         if self._delivery and response.settled:
             self._delivery.settle(response.settled)
         with self.lock:
             self._apply(response)
+            self.answered_at = max(self.answered_at, sent_at)
             self.lock.notify_all()
         return True
 
