@@ -21,7 +21,7 @@ import grpc
 from torch_dataservice import version
 from torch_dataservice.client.delivery import Delivery
 from torch_dataservice.client.transports import task_groups
-from torch_dataservice.errors import is_retryable
+from torch_dataservice.errors import ReaderReleasedError, is_retryable
 from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc, status_pb2
 from torch_dataservice.rpc import channel_to, retry, rpc_error_to_exception
 from torch_dataservice.wire import inprocess
@@ -204,7 +204,7 @@ class Membership:
         released = (f"the dispatcher released this reader (client {self.client_id}): it did "
                     "not heartbeat for longer than job_gc_timeout_ms (a paused process?)")
         if self._delivery is None:
-            self.fail(RuntimeError(
+            self.fail(ReaderReleasedError(
                 f"{released}; its iteration cannot be resumed under this job's sharding "
                 "policy: start the dispatcher with a larger job_gc_timeout_ms "
                 "(--job-gc-timeout-ms)"))
@@ -216,7 +216,8 @@ class Membership:
                 timeout=JOIN_TIMEOUT_S)
         except grpc.RpcError as error:
             if not is_retryable(error):
-                self.fail(rpc_error_to_exception(error, f"{released}; joining again"))
+                self.fail(ReaderReleasedError(
+                    str(rpc_error_to_exception(error, f"{released}; joining again"))))
             return False
         logger.warning("%s; it joined iteration %d again as client %d", released,
                        iteration.iteration_id, iteration.client_id)
