@@ -3,8 +3,10 @@
 The dispatcher is told the reader is alive every HEARTBEAT_INTERVAL_S, with what it
 acknowledged (client/delivery.py) and, for coordinated reads, where it is in the rounds
 (client/rounds.py); the reply lists the iteration's tasks, so workers may come and go
-mid-epoch. A reader released for silence (longer than job_gc_timeout_ms: a paused process)
-joins again under DYNAMIC, and otherwise fails with an error naming the setting.
+mid-epoch. A reader declared silent (longer than worker_timeout_ms) learns which splits were
+handed to the other readers meanwhile (`handed_again`: the consumer drops what it holds of
+them). A reader released for silence (longer than job_gc_timeout_ms: a paused process) joins
+again under DYNAMIC, and otherwise fails with ReaderReleasedError, naming the setting.
 """
 
 from __future__ import annotations

@@ -14,6 +14,13 @@ sharding (FILE, DATA, FILE_OR_DATA, HINT) and every worker otherwise; "ANY" read
 A worker in this process that runs its pipelines on threads (`num_processes=0`) hands its
 elements over as the objects its pipeline produced, not encoded (worker/local.py): the
 consumer shares them with the pipeline, as with torch's DataLoader and `num_workers=0`.
+
+Exactly-once DYNAMIC: an element is acknowledged when `__next__` returns it, and the
+acknowledgements ride on the next heartbeat. After a pause (no heartbeat answered for PAUSE_S)
+`__next__` asks the dispatcher before it returns more; declared silent meanwhile, the reader
+drops what it holds unacknowledged of the splits handed again to the job's other readers. So
+the one at-least-once window is what it returned in its last heartbeat interval before the
+pause, not yet reported.
 """
 
 from __future__ import annotations
