@@ -87,6 +87,7 @@ class CoordinatedRounds:
         # (round, removals seen): it stops at that round, on a lost task, until the next
         # removal is decided (_promise_lost_round); reported as blocked there meanwhile.
         self._promise: tuple[int, int] | None = None
+        self._looked_in_vain: tuple | None = None  # (_promise_lost_round)
         self._current_round = 0  # the round it reads or will read next
         self._ready_round: int | None = None  # a proposed addition round it waits at
         self._waiting_since: float | None = None
@@ -173,14 +174,20 @@ class CoordinatedRounds:
             pending = self._lost - removed
             if not pending or self._promised() is not None:
                 return
+            # A lost task this consumer no longer reads (it ended here) is never reached: not
+            # looked for again until something changes.
+            looked = (len(removals), frozenset(pending), tuple(cursor.active), len(additions))
+            if looked == self._looked_in_vain:
+                return
             ahead = cursor.copy()
             for r in range(round_index, round_index + LOOKAHEAD_ROUNDS):
                 task_id, _ = ahead.advance(r, removals, additions)
                 if task_id is None:
-                    return
+                    break
                 if task_id in pending:
                     self._promise = (r, len(removals))
                     return
+            self._looked_in_vain = looked
 
     def _initial_tasks(self) -> list[int] | None:
         with self._m.lock:
