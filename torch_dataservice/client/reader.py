@@ -354,7 +354,7 @@ class IterationReader:
         """Exactly-once DYNAMIC: no heartbeat sent since PAUSE_S ago was answered (this
         process was paused or starved): ask the dispatcher before yielding more, since it may
         have declared this reader silent and handed what it holds to the job's other readers
-        (the answer then drops it: Membership._drop_held). Once per such gap: a dispatcher
+        (then `__next__` drops it: _drop_handed_again). Once per such gap: a dispatcher
         that is down does not stall every element."""
         answered_at = self._m.answered_at
         if time.monotonic() - answered_at > PAUSE_S and answered_at != self._pause_checked:
