@@ -355,9 +355,11 @@ class IterationReader:
         process was paused or starved): ask the dispatcher before yielding more, since it may
         have declared this reader silent and handed what it holds to the job's other readers
         (then `__next__` drops it: _drop_handed_again). Once per such gap: a dispatcher
-        that is down does not stall every element."""
+        that is down does not stall every element; none while the dispatcher is known to be
+        down (the gap is its, not a pause)."""
         answered_at = self._m.answered_at
-        if time.monotonic() - answered_at > PAUSE_S and answered_at != self._pause_checked:
+        if (time.monotonic() - answered_at > PAUSE_S and answered_at != self._pause_checked
+                and self._m.down_since is None):
             self._pause_checked = answered_at
             self._m.heartbeat()
 
