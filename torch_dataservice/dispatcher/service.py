@@ -81,6 +81,10 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                 continue
             self._journal.append(update)  # durable before any reply: see observe.durable
             self._state.apply(update)
+            if update.WhichOneof("kind") == "requeue_split":
+                requeue = update.requeue_split
+                self._soft.note_requeued(self._state.iterations[requeue.iteration_id],
+                                         (requeue.split.repetition, requeue.split.index))
         self._journal.maybe_compact(self._state)
 
     # ------------------------------------------------------------------ datasets
@@ -176,6 +180,8 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             iteration = self._state.iteration_of_client(request.client_id)
             if coordinated.is_coordinated(self._state, iteration):
                 validation.check_consumer(request, self._state.job(iteration.job_id).config)
+            handed_again = self._soft.back_from_silence(
+                request.client_id, iteration, self._clock(), self._worker_timeout_s)
             self._record_delivered(iteration, request)
             self._soft.client_fenced[request.client_id] = frozenset(request.fenced_tasks)
             added: list[Update] = []
@@ -186,7 +192,10 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             reply = tasks.client_reply(self._state, iteration,
                                        self._soft.take_settled(iteration, request.client_id),
                                        self._soft.proposals.get(iteration.iteration_id), held)
-            reply.declared_silent = request.client_id in self._soft.silent_clients
+            if handed_again is not None:
+                reply.declared_silent = True
+                for repetition, index in sorted(handed_again):
+                    reply.handed_again.add(repetition=repetition, index=index)
             pushes = self._effects.pushes(added)
         self._pusher.push(pushes)
         return reply

@@ -60,6 +60,7 @@ from torch_dataservice.torch.loader_iter import (
     read_positions,
     read_shards,
     reading_from,
+    reading_positions,
 )
 from torch_dataservice.torch.loader_stats import record_even_batches
 from torch_dataservice.torch.registration import Registrar
@@ -292,15 +293,17 @@ class DataLoader(torch.utils.data.DataLoader):
         items = [(p, b) for p, b in enumerate(batches) if p not in progress.positions]
         if not items:
             return lambda emit, sources: None
-        registrar = self._tds_registrar
-        reader = registrar.read_epoch(epoch.number, items, self._tds_seeds(epoch), ref, fetch)
+        registrar, seeds = self._tds_registrar, self._tds_seeds(epoch)
+        reader = registrar.read_epoch(epoch.number, items, seeds, ref, fetch)
+        # Released after a stall (job_gc_timeout_ms), the rest is registered again; not under
+        # a job_name, whose job other loaders share.
+        register = None if registrar.job_name is not None else (
+            lambda left: registrar.read_epoch(epoch.number, left, seeds, ref, fetch))
         if (self.in_order and registrar.policy == ShardingPolicy.DYNAMIC
                 and registrar.job_name is None):
-            expected = [p for p, _ in items]
-            return reading_from(lambda: iter(reader),
-                                lambda source, emit: read_positions(source, emit, expected))
-        return reading_from(lambda: iter(reader),
-                            lambda source, emit: read_arrivals(source, emit, 0, True, False))
+            return reading_positions(reader, items, register, read_positions)
+        return reading_positions(reader, items, register, lambda source, emit, _: read_arrivals(
+            source, emit, 0, True, False))
 
     def _tds_read_iterable(self, epoch: Epoch) -> Reading:
         """Register an iterable epoch (num_workers shards, or a Pipeline as it is) and read it,
