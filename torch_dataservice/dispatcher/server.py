@@ -19,6 +19,7 @@ from torch_dataservice.serving import BackgroundLoop, Health, advertised_host, s
 logger = logging.getLogger(__name__)
 
 DISPATCHER_SERVICE_NAME = "torch_dataservice.v1.DispatcherService"
+REQUEST_OVERHEAD_BYTES = 1 << 20
 # Its handlers share one lock and the GIL: more threads add no CPU, only a convoy whose wait
 # no handler sees. Enough to batch journal fsyncs (group commit); past them, requests wait in
 # the executor's queue, where admission sees how long (dispatcher/cadence.py).
@@ -90,8 +91,11 @@ class DispatchServer:
             dispatcher_pb2_grpc.add_DispatcherServiceServicer_to_server(self._service, server)
             health.register(server)
 
+        # Requests beyond a dataset definition's limit (plus room for the rest of the
+        # request) are refused by gRPC before they are buffered whole.
         self._server, self._port = start_grpc_server(
             register, self._config.host, self._config.port, tls=self._config.tls,
+            max_receive_bytes=self._config.max_dataset_bytes + REQUEST_OVERHEAD_BYTES,
             executor=QueuedExecutor(max_workers=HANDLER_THREADS, thread_name_prefix="grpc"))
         health.set_serving(True)  # the journal is replayed: requests see the whole state
         interval = min(self._config.effective_job_gc_check_interval_ms,

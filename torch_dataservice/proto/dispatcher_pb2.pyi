@@ -109,7 +109,7 @@ class ReceivedSplit(_message.Message):
     def __init__(self, task_id: _Optional[int] = ..., split: _Optional[_Union[_common_pb2.SplitKey, _Mapping]] = ..., offsets: _Optional[_Iterable[int]] = ..., offset_ranges: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ClientHeartbeatResponse(_message.Message):
-    __slots__ = ("tasks", "iteration_finished", "error", "settled", "removals", "lost_task_ids", "addition_round", "declared_silent", "next_heartbeat_ms", "tasks_version", "tasks_unchanged")
+    __slots__ = ("tasks", "iteration_finished", "error", "settled", "removals", "lost_task_ids", "addition_round", "declared_silent", "handed_again", "next_heartbeat_ms", "tasks_version", "tasks_unchanged")
     TASKS_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FINISHED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class ClientHeartbeatResponse(_message.Message):
     LOST_TASK_IDS_FIELD_NUMBER: _ClassVar[int]
     ADDITION_ROUND_FIELD_NUMBER: _ClassVar[int]
     DECLARED_SILENT_FIELD_NUMBER: _ClassVar[int]
+    HANDED_AGAIN_FIELD_NUMBER: _ClassVar[int]
     NEXT_HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
     TASKS_VERSION_FIELD_NUMBER: _ClassVar[int]
     TASKS_UNCHANGED_FIELD_NUMBER: _ClassVar[int]
@@ -129,10 +130,11 @@ class ClientHeartbeatResponse(_message.Message):
     lost_task_ids: _containers.RepeatedScalarFieldContainer[int]
     addition_round: int
     declared_silent: bool
+    handed_again: _containers.RepeatedCompositeFieldContainer[_common_pb2.SplitKey]
     next_heartbeat_ms: int
     tasks_version: int
     tasks_unchanged: bool
-    def __init__(self, tasks: _Optional[_Iterable[_Union[_common_pb2.TaskInfo, _Mapping]]] = ..., iteration_finished: _Optional[bool] = ..., error: _Optional[str] = ..., settled: _Optional[_Iterable[_Union[SettledSplit, _Mapping]]] = ..., removals: _Optional[_Iterable[_Union[_common_pb2.RemovedTasks, _Mapping]]] = ..., lost_task_ids: _Optional[_Iterable[int]] = ..., addition_round: _Optional[int] = ..., declared_silent: _Optional[bool] = ..., next_heartbeat_ms: _Optional[int] = ..., tasks_version: _Optional[int] = ..., tasks_unchanged: _Optional[bool] = ...) -> None: ...
+    def __init__(self, tasks: _Optional[_Iterable[_Union[_common_pb2.TaskInfo, _Mapping]]] = ..., iteration_finished: _Optional[bool] = ..., error: _Optional[str] = ..., settled: _Optional[_Iterable[_Union[SettledSplit, _Mapping]]] = ..., removals: _Optional[_Iterable[_Union[_common_pb2.RemovedTasks, _Mapping]]] = ..., lost_task_ids: _Optional[_Iterable[int]] = ..., addition_round: _Optional[int] = ..., declared_silent: _Optional[bool] = ..., handed_again: _Optional[_Iterable[_Union[_common_pb2.SplitKey, _Mapping]]] = ..., next_heartbeat_ms: _Optional[int] = ..., tasks_version: _Optional[int] = ..., tasks_unchanged: _Optional[bool] = ...) -> None: ...
 
 class SettledSplit(_message.Message):
     __slots__ = ("split", "num_elements")
