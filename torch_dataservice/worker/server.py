@@ -15,7 +15,13 @@ from torch_dataservice.config import PORT_PLACEHOLDER, WorkerConfig
 from torch_dataservice.errors import ServiceUnavailableError
 from torch_dataservice.observability.metrics import Collector, MetricsEndpoint, new_registry
 from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
-from torch_dataservice.rpc import WORKER_SERVICE_NAME, channel_to, is_version_mismatch, retry
+from torch_dataservice.rpc import (
+    WORKER_SERVICE_NAME,
+    channel_to,
+    is_version_mismatch,
+    overload_backoff_s,
+    retry,
+)
 from torch_dataservice.serving import BackgroundLoop, Health, advertised_host, start_grpc_server
 from torch_dataservice.wire import inprocess
 from torch_dataservice.worker import metrics
@@ -201,9 +207,15 @@ class WorkerServer:
         data_port = self._data_port
         if data_port is not None:
             request.data_port, request.data_socket = data_port.port, data_port.socket_path
+        heartbeat = self._heartbeat
         try:
             response = self._dispatcher.WorkerHeartbeat(request, timeout=5)
         except grpc.RpcError as error:
+            backoff = overload_backoff_s(error, f"worker {self._address} heartbeat")
+            if backoff is not None:
+                if heartbeat is not None:
+                    heartbeat.interval_s = backoff
+                return
             details = error.details() or ""
             tls = (auth.plaintext_against_tls(details)
                    if error.code() == grpc.StatusCode.UNAVAILABLE and "Socket closed" in details
@@ -215,6 +227,9 @@ class WorkerServer:
                 self._stopped.set()
                 return
             raise
+        if heartbeat is not None:  # as the dispatcher asks (dispatcher/cadence.py)
+            heartbeat.interval_s = (response.next_heartbeat_ms
+                                    or self._config.effective_heartbeat_interval_ms) / 1000
         for task in response.new_tasks:
             self._tasks.add(task)
         for task_id in response.tasks_to_delete:
