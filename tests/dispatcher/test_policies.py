@@ -91,6 +91,23 @@ def test_removing_a_worker_requeues_its_splits_and_new_takers_are_needed() -> No
     assert not splits.needs_takers(state, iteration)
 
 
+def test_a_lost_coordinated_task_hands_back_no_split() -> None:
+    """Coordinated consumers report nothing they received, so no split of theirs is settled:
+    a requeue would hand back every split the task ever read, to be delivered again (by the
+    same executor when the worker was declared dead and registers again)."""
+    job = create_job(5000, "c")
+    job.create_job.config.num_consumers = 2
+    updates = one_iteration()
+    updates[3] = job
+    state = build(*updates, produce_split(2000, 0, 0, task_id=4000),
+                  produce_split(2000, 0, 1, task_id=4000))
+    removal = liveness.remove_worker(state, "w0:1")
+    assert [u.WhichOneof("kind") for u in removal] == ["remove_worker"]
+    _apply(state, removal)
+    assert state.iteration(2000).requeued == []
+    assert state.task(4000).lost
+
+
 def test_new_tasks_take_consecutive_ids_and_skip_fixed_coordinated_reads() -> None:
     state = build(*one_iteration(), register_worker("w2:1"))
     created = tasks.for_new_worker(state, "w2:1")
