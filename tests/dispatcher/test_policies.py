@@ -91,6 +91,23 @@ def test_removing_a_worker_requeues_its_splits_and_new_takers_are_needed() -> No
     assert not splits.needs_takers(state, iteration)
 
 
+def test_a_lost_coordinated_task_hands_back_no_split() -> None:
+    """Coordinated consumers report nothing they received, so no split of theirs is settled:
+    a requeue would hand back every split the task ever read, to be delivered again (by the
+    same executor when the worker was declared dead and registers again)."""
+    job = create_job(5000, "c")
+    job.create_job.config.num_consumers = 2
+    updates = one_iteration()
+    updates[3] = job
+    state = build(*updates, produce_split(2000, 0, 0, task_id=4000),
+                  produce_split(2000, 0, 1, task_id=4000))
+    removal = liveness.remove_worker(state, "w0:1")
+    assert [u.WhichOneof("kind") for u in removal] == ["remove_worker"]
+    _apply(state, removal)
+    assert state.iteration(2000).requeued == []
+    assert state.task(4000).lost
+
+
 def test_new_tasks_take_consecutive_ids_and_skip_fixed_coordinated_reads() -> None:
     state = build(*one_iteration(), register_worker("w2:1"))
     created = tasks.for_new_worker(state, "w2:1")
@@ -198,7 +215,7 @@ def test_a_joining_worker_gets_a_task_at_a_round_every_consumer_promised() -> No
     assert coordinated.plan_addition(state, rounds, proposals, iteration,
                                      _round(1, proposed + 3)) == []
     later = proposals[2000].round
-    assert later == proposed + 3 + coordinated.ADD_MARGIN
+    assert later == proposed + 3 + 2 * coordinated.ADD_MARGIN  # twice as far ahead
     assert coordinated.plan_addition(state, rounds, proposals, iteration,
                                      _round(0, 11, ready=later)) == []
     (update,) = coordinated.plan_addition(state, rounds, proposals, iteration,
@@ -206,6 +223,34 @@ def test_a_joining_worker_gets_a_task_at_a_round_every_consumer_promised() -> No
     assert (update.create_task.worker_address, update.create_task.starting_round) == (
         "w2:1", later)
     assert 2000 not in proposals
+
+
+def test_a_joining_worker_gets_a_task_although_consumers_read_fast_between_heartbeats(
+        ) -> None:
+    """Consumers that read more rounds between two heartbeats than a proposal is ahead pass
+    every proposal before they hear of it (a live lock seen on a loaded machine, where
+    heartbeats are slow): proposals move further ahead until one is promised."""
+    state = _coordinated_state(register_worker("w2:1"))
+    iteration, rounds, proposals = state.iteration(2000), {}, {}
+    current, ready = [100, 100], [None, None]
+    step = 25  # rounds a consumer reads between its report and the reply it hears
+    for beat in range(40):
+        consumer = beat % 2
+        created = coordinated.plan_addition(state, rounds, proposals, iteration,
+                                            _round(consumer, current[consumer],
+                                                   ready[consumer]))
+        if created:
+            assert created[0].create_task.starting_round == ready[1 - consumer]
+            assert all(r <= created[0].create_task.starting_round for r in current)
+            return
+        proposed = proposals[2000].round
+        for c in (0, 1):  # every consumer reads on meanwhile, up to the round it promised
+            current[c] += step if ready[c] is None else max(0, min(step, ready[c] - current[c]))
+        # The consumer hears the proposal: it promises unless it is past it already.
+        if proposed != ready[consumer]:
+            ready[consumer] = proposed if current[consumer] < proposed else None
+    pytest.fail(f"no worker joined in 40 heartbeats (last proposal {proposals[2000].round}, "
+                f"consumers at {current})")
 
 
 def test_a_lost_task_waits_for_its_replacement_when_no_other_task_is_left() -> None:

@@ -7,7 +7,8 @@ end_of_sequence) for late consumers, a lost task leaves at a round all agree on
 task that joins at a round all agreed on beforehand (`plan_addition`, as tf.data service's
 pending tasks): the dispatcher proposes a round ahead of every consumer, each consumer that
 has not reached it promises not to read it before the outcome, and once all promised, the
-task is created with that starting round. A consumer that passed the proposal gets a new one.
+task is created with that starting round. Once a consumer passed the proposal, a new one is
+made, twice as far ahead.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ Update = dispatcher_pb2.Update
 DONE = -1  # a consumer's "removals seen" once it read its last round
 
 Blocked = dict[int, tuple[int, int]]  # consumer index -> (round blocked at, removals seen)
-ADD_MARGIN = 4  # a proposed round is this far ahead of the furthest consumer
+ADD_MARGIN = 4  # a first proposed round is this far ahead of the furthest consumer ...
+MAX_ADD_MARGIN = 1 << 16  # ... and twice as far after each one a consumer passed, up to this
 
 
 @dataclass
@@ -32,6 +34,7 @@ class Proposal:
     """A round at which joining workers' tasks would join, and who promised to wait at it."""
 
     round: int
+    margin: int = ADD_MARGIN  # how far ahead of the furthest consumer it was proposed
     ready: set[int] = field(default_factory=set)
 
 
@@ -111,7 +114,11 @@ def plan_addition(state: DispatcherState, rounds: dict[int, int],
     passed = proposal is not None and any(
         r >= proposal.round and c not in proposal.ready for c, r in rounds.items())
     if proposal is None or passed:
-        proposal = Proposal(max(rounds.values(), default=0) + ADD_MARGIN)
+        # Consumers report their rounds once a heartbeat: one that reads more rounds than the
+        # margin between two reports passes every proposal before it hears of it. A passed
+        # proposal is made again twice as far ahead, so that the margin soon covers that.
+        margin = ADD_MARGIN if proposal is None else min(2 * proposal.margin, MAX_ADD_MARGIN)
+        proposal = Proposal(max(rounds.values(), default=0) + margin, margin)
         proposals[iteration.iteration_id] = proposal
     if request.consumer_done or (request.HasField("ready_round")
                                  and request.ready_round == proposal.round):

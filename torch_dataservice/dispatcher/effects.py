@@ -48,8 +48,10 @@ class Effects:
         An iteration left with requeued splits and no unfinished task on a registered worker
         gets a task on every registered worker, which will take them (dispatcher/splits.py).
         """
-        requeued_in = {t.iteration_id for t in self._state.worker_tasks(address) if t.splits}
-        self._apply(*liveness.remove_worker(self._state, address))
+        updates = liveness.remove_worker(self._state, address)
+        requeued_in = {u.requeue_split.iteration_id for u in updates
+                       if u.HasField("requeue_split")}
+        self._apply(*updates)
         self._observe.forget_worker(address)
         now, created = self._clock(), []
         for iteration_id in sorted(requeued_in):

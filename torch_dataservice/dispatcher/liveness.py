@@ -57,8 +57,15 @@ def leaves(worker: Worker | None, request: dispatcher_pb2.WorkerHeartbeatRequest
 
 
 def remove_worker(state: DispatcherState, address: str) -> list[Update]:
-    """A worker left: its unsettled DYNAMIC splits go back first (dispatcher/splits.py)."""
-    return [*splits.requeue(state.worker_tasks(address)),
+    """A worker left: its unsettled DYNAMIC splits go back first (dispatcher/splits.py).
+
+    Not those of coordinated reads: their consumers report nothing they received, so no
+    split of theirs is ever settled and the lost task would hand back every split it ever
+    read, to be read again (by the same executor when a worker declared dead registers
+    again). A lost worker's elements are lost with it there (docs/semantics.md)."""
+    tasks = [t for t in state.worker_tasks(address)
+             if splits.is_exactly_once(state, state.iteration(t.iteration_id))]
+    return [*splits.requeue(tasks),
             Update(remove_worker=dispatcher_pb2.RemoveWorker(worker_address=address))]
 
 
