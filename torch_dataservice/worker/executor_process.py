@@ -34,6 +34,7 @@ from torch_dataservice.observability import stages
 from torch_dataservice.pipeline import ExecutionContext, Pipeline, shared_objects
 from torch_dataservice.wire import codec
 from torch_dataservice.wire.inprocess import LocalElement
+from torch_dataservice.wire.splits import SplitKey
 from torch_dataservice.worker import shm
 from torch_dataservice.worker.local import LocalChannel
 from torch_dataservice.worker.messages import (
@@ -41,7 +42,7 @@ from torch_dataservice.worker.messages import (
     Blocked,
     Bundle,
     Credit,
-    Dataset,
+    DatasetBytes,
     End,
     Failed,
     FinishedSplit,
@@ -54,7 +55,6 @@ from torch_dataservice.worker.messages import (
     Shutdown,
     SmallElements,
     SplitDone,
-    SplitKey,
     SplitReply,
     SplitRequest,
     Stages,
@@ -133,16 +133,16 @@ class _Replica:
         # Exactly-once DYNAMIC (see dispatcher/splits.py): the split being read, how many
         # elements each split produced so far, and the offsets clients already received of a
         # split handed again after its worker died.
-        self._holding: tuple[int, int] | None = None
+        self._holding: SplitKey | None = None
         # The (repetition, index) key of the split last handed to this replica, and how many
         # were handed: `_run` tags elements with the key (the split's own repetition, which
         # for a requeued split may be older than the pass reading it) and restarts offsets at
         # each new split (the source's (repetition, index) may repeat: a requeued split and
         # the same index of the current pass look alike to it).
-        self._split_key: tuple[int, int] | None = None
+        self._split_key: SplitKey | None = None
         self._splits_taken = 0
-        self._produced: dict[tuple[int, int], int] = {}
-        self._skip: dict[tuple[int, int], frozenset[int]] = {}
+        self._produced: dict[SplitKey, int] = {}
+        self._skip: dict[SplitKey, frozenset[int]] = {}
         self._splits = SplitAsker(executor, key, credits)  # asked ahead, several if cheap
         self._taken_at: float | None = None  # perf_counter when it took its last split
         self.thread = threading.Thread(target=self._run, name=f"replica-{key}", daemon=True)
@@ -184,12 +184,12 @@ class _Replica:
         self.clock.times[stages.SPLIT] += self._taken_at - asked
         if handed is None:
             return None
-        index, skip, split_repetition = handed
-        self._holding = self._split_key = (split_repetition, index)
+        key, skip = handed
+        self._holding = self._split_key = key
         self._splits_taken += 1
         if skip:
             self._skip[self._holding] = frozenset(skip)
-        return index
+        return key.index
 
     def _take_credit(self, size: int) -> None:
         with self._cond:
@@ -339,14 +339,14 @@ class ExecutorLoop:
             if self._outbox:
                 self._outbox_ready.notify()
 
-    def send_local(self, key: ReplicaKey, split: tuple[int, int] | None, offset: int,
+    def send_local(self, key: ReplicaKey, split: SplitKey | None, offset: int,
                    element: LocalElement) -> None:
         """Hand `element` to the front as an object: its token travels in order with the
         other messages, batched like small elements."""
         assert self.local is not None
         self.send(_Local((key, split, offset, self.local.put(element))))
 
-    def send_element(self, key: ReplicaKey, split: tuple[int, int] | None, offset: int,
+    def send_element(self, key: ReplicaKey, split: SplitKey | None, offset: int,
                      parts: list[codec.Part], size: int, slow: bool = False) -> None:
         """Send an encoded element; a `slow` replica's small one is written right away."""
         if size <= INLINE_PAYLOAD_BYTES:
@@ -496,7 +496,7 @@ class ExecutorLoop:
 
     def _handle(self, message: ToExecutor) -> None:
         match message:
-            case Dataset(dataset_id, pipeline):
+            case DatasetBytes(dataset_id, pipeline):
                 self._datasets[dataset_id] = pipeline
             case Release(dataset_id):
                 self._datasets.pop(dataset_id, None)
