@@ -10,17 +10,18 @@ the instructions it returns are carried out after, outside it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from torch_dataservice.errors import ServiceUnavailableError
 from torch_dataservice.observability.stages import StageTotals
-from torch_dataservice.pipeline.sharding import plan_replicas
+from torch_dataservice.pipeline.sharding import ShardingPlan, plan_replicas
 from torch_dataservice.proto import common_pb2, worker_pb2
 from torch_dataservice.wire.splits import HandedSplit
 from torch_dataservice.worker import task_state as ts
@@ -62,6 +63,42 @@ class TaskShell:
     datasets: list[str] = field(default_factory=list)  # its own and those it depends on
     last_fetch: float = 0.0  # time.monotonic() of the last fetch (a drain waits for readers)
     wants: list[int] = field(default_factory=list)  # buffer sizes fetches wait for
+
+    def wait_for_elements(self, want: int, wait_s: float) -> bool:
+        """Under cond: wait up to `wait_s` for an element (or the end, or an error), then, if
+        elements come steadily, up to LINGER_S more for `want` of them (a fuller reply).
+        False: nothing came in time."""
+        state = self.state
+        self.last_fetch = time.monotonic()
+        deadline = self.last_fetch + wait_s
+        while not state.buffer and state.error is None and not state.exhausted():
+            if not self._wait(1, deadline - time.monotonic()):
+                return False
+        if len(state.buffer) < want and state.running() and state.arrivals.steady():
+            deadline = min(deadline, time.monotonic() + LINGER_S)
+            while len(state.buffer) < want and state.running():
+                if not self._wait(want, deadline - time.monotonic()):
+                    break
+        return True
+
+    def _wait(self, want: int, timeout_s: float) -> bool:
+        """Under cond: wait until the buffer holds `want` elements, something ends, or
+        `timeout_s` passed. False: no time was left."""
+        if timeout_s <= 0:
+            return False
+        self.wants.append(want)
+        try:
+            self.cond.wait(timeout_s)
+        finally:
+            self.wants.remove(want)
+        return True
+
+    def wake(self, instructions: list[ts.Instruction]) -> None:
+        """Under cond: wake the fetches the Wake instructions among `instructions` are for."""
+        for wake in instructions:
+            if type(wake) is ts.Wake and (wake.everyone or (
+                    self.wants and wake.buffered >= min(self.wants))):
+                self.cond.notify_all()
 
 
 class TaskManager:
@@ -127,21 +164,6 @@ class TaskManager:
             self._event(task, ts.Deleted())
             self._release_unused(task.datasets or [task.state.definition.dataset_id])
 
-    def _dependencies(self, dataset_id: str) -> list[str]:
-        """The datasets `dataset_id` refers to, recursively, each before what needs it."""
-        order: list[str] = []
-
-        def visit(needed: str, path: tuple[str, ...]) -> None:
-            if needed in path:
-                raise ValueError(f"datasets refer to each other in a cycle: {path + (needed,)}")
-            for dependency in self._dispatcher.dataset(needed).depends_on:
-                visit(dependency, path + (needed,))
-            if needed not in order:
-                order.append(needed)
-
-        visit(dataset_id, ())
-        return order[:-1]
-
     def _release_unused(self, candidates: list[str]) -> None:
         """Free the datasets among `candidates` that no task of this worker needs any more:
         the front's definitions and the executors' bytes and shared objects.
@@ -181,14 +203,11 @@ class TaskManager:
                 return
             definition = task.state.definition
             dataset = self._dispatcher.dataset(definition.dataset_id)
-            dependencies = self._dependencies(definition.dataset_id)
+            dependencies = _dependencies(self._dispatcher, definition.dataset_id)
             task.datasets = [*dependencies, definition.dataset_id]
             plan = plan_replicas(definition, dataset, self._executors.size)
             slots = tuple(index % self._executors.size for index in range(len(plan.replicas)))
-            task.state.handle(ts.Started(
-                slots, dataset.num_splits if plan.local_splits else None,
-                ts.stock_depth(self._split_prefetch, dataset.num_splits)
-                if plan.use_splits and not plan.local_splits else None))
+            task.state.handle(_started(slots, plan, dataset, self._split_prefetch))
             compression = "AUTO" if definition.compression else None
             dependency_bytes = [(d, self._dispatcher.dataset(d).pipeline) for d in dependencies]
             failed: list[ts.Instruction] = []
@@ -202,17 +221,16 @@ class TaskManager:
         self._carry_out(task, failed)
 
     # ------------------------------------------------------------------ events, instructions
-    def _event(self, task: TaskShell, event: ts.Event) -> list[ts.Instruction]:
+    def _event(self, task: TaskShell, event: ts.Event) -> None:
         """`event` to the task's state, waking the fetches it asks to; its other
         instructions carried out (outside the task's condition)."""
         with task.cond:
             instructions = task.state.handle(event)
-            for wake in instructions:
-                if type(wake) is ts.Wake and (wake.everyone or (
-                        task.wants and wake.buffered >= min(task.wants))):
-                    task.cond.notify_all()
+            task.wake(instructions)
         self._carry_out(task, instructions)
-        return instructions
+
+    def _fetched(self, task: TaskShell, fetch: ts.FetchSplits) -> None:
+        self._event(task, _get_splits(self._dispatcher, task.state.definition, fetch))
 
     def _carry_out(self, task: TaskShell, instructions: list[ts.Instruction]) -> None:
         for instruction in instructions:
@@ -221,26 +239,11 @@ class TaskManager:
                     self._executors.send(slot, message)
                 case ts.FetchSplits():
                     try:
-                        self._split_pool.submit(self._fetch_splits, task, instruction)
+                        self._split_pool.submit(self._fetched, task, instruction)
                     except RuntimeError:  # the pool is shut down: the worker is stopping
                         pass
                 case ts.ReportCompleted(task_id):
                     self._dispatcher.report_completed(task_id)
-
-    def _fetch_splits(self, task: TaskShell, fetch: ts.FetchSplits) -> None:
-        error: tuple[str, str] | None = None
-        splits: list[HandedSplit] = []
-        try:
-            splits = self._dispatcher.get_split(
-                task.state.definition, repetition=fetch.repetition, replica=ts.FEED_REPLICA,
-                request_id=fetch.request_id, finished=fetch.finished,
-                max_splits=fetch.max_splits)
-        except ServiceUnavailableError as exc:
-            error = ("ServiceUnavailableError", str(exc))
-        except Exception as exc:  # noqa: BLE001 - reported to the replicas that wait
-            logger.warning("GetSplit failed: %s: %s", type(exc).__name__, exc)
-            error = (type(exc).__name__, f"GetSplit failed: {exc}")
-        self._event(task, ts.SplitsFetched(fetch.repetition, splits, error))
 
     # ------------------------------------------------------------------ fetching
     def fetch(self, request: worker_pb2.GetElementsRequest, wait_s: float) -> Taken:
@@ -259,23 +262,21 @@ class TaskManager:
         with task.cond:
             if task.runner is None:
                 task_id = task.state.task_id
-
-                def take(max_elements: int, max_bytes: int, wait_s: float) -> Taken:
-                    return self.get_elements(task_id, max_elements, max_bytes, wait_s)
-
-                def take_encoded(max_elements: int, max_bytes: int, wait_s: float) -> Taken:
-                    # The cache serves an element to several trainers, which must not share
-                    # one object: it keeps payloads, and each reader decodes its own copy.
-                    elements, end, error = take(max_elements, max_bytes, wait_s)
-                    failed = encode_elements(elements)
-                    if failed is not None:
-                        self.fail(task_id, failed)
-                        return Taken(elements, False, failed)
-                    return Taken(elements, end, error)
-
-                task.runner = make_runner(task.state.definition, take, take_encoded,
-                                          self._cache_bytes)
+                task.runner = make_runner(
+                    task.state.definition, functools.partial(self.get_elements, task_id),
+                    functools.partial(self._take_encoded, task_id), self._cache_bytes)
             return task.runner
+
+    def _take_encoded(self, task_id: int, max_elements: int, max_bytes: int,
+                      wait_s: float) -> Taken:
+        """get_elements with payloads encoded: the cache serves an element to several
+        trainers, which must not share one object, so each reader decodes its own copy."""
+        elements, end, error = self.get_elements(task_id, max_elements, max_bytes, wait_s)
+        failed = encode_elements(elements)
+        if failed is not None:
+            self.fail(task_id, failed)
+            return Taken(elements, False, failed)
+        return Taken(elements, end, error)
 
     def get_elements(self, task_id: int, max_elements: int, max_bytes: int,
                      wait_s: float) -> Taken:
@@ -293,7 +294,7 @@ class TaskManager:
             raise LookupError(task_id)
         self._ensure_started(task)
         with task.cond:
-            if not self._wait_for_elements(task, min(max_elements, LINGER_ELEMENTS), wait_s):
+            if not task.wait_for_elements(min(max_elements, LINGER_ELEMENTS), wait_s):
                 return Taken([], False, None)
             instructions = task.state.handle(ts.ElementsTaken(max_elements, max_bytes))
         self._carry_out(task, instructions)
@@ -301,74 +302,43 @@ class TaskManager:
         assert type(handed) is ts.Handed
         return Taken(handed.elements, handed.end_of_sequence, handed.error)
 
-    @staticmethod
-    def _wait_for_elements(task: TaskShell, want: int, wait_s: float) -> bool:
-        """Under task.cond: wait up to `wait_s` for an element (or the end, or an error), then,
-        if elements come steadily, up to LINGER_S more for `want` of them (a fuller reply).
-        False: nothing came in time."""
-        state = task.state
-        task.last_fetch = time.monotonic()
-        deadline = task.last_fetch + wait_s
-        while not state.buffer and state.error is None and not state.exhausted():
-            if not _wait(task, 1, deadline - time.monotonic()):
-                return False
-        if len(state.buffer) < want and state.running() and state.arrivals.steady():
-            deadline = min(deadline, time.monotonic() + LINGER_S)
-            while len(state.buffer) < want and state.running():
-                if not _wait(task, want, deadline - time.monotonic()):
-                    break
-        return True
-
     # ------------------------------------------------------------------ executor listener
     def on_elements(self, items: Iterable[Arrived]) -> None:
         """Buffer elements from an executor: one lock and one wake-up per run of one replica's
         elements (a message carries several), not per element."""
-        task = None
-        key: ReplicaKey | None = None
-        admitted: list[BufferedElement] = []
-        for item_key, split, offset, payload in items:
-            if item_key != key:
-                if task is not None and admitted:
-                    self._event(task, ts.ElementsArrived(admitted))
-                key, admitted = item_key, []
-                task = self.get(item_key[0])
-            if task is not None:
-                admitted.append(BufferedElement(payload, split, offset, item_key[1]))
-        if task is not None and admitted:
-            self._event(task, ts.ElementsArrived(admitted))
+        for task_id, elements in _runs(items):
+            self._on(task_id, ts.ElementsArrived(elements))
 
-    def _on(self, key: ReplicaKey, event: ts.Event) -> None:
-        task = self.get(key[0])
+    def _on(self, task_id: int, event: ts.Event) -> None:
+        task = self.get(task_id)
         if task is not None:
             self._event(task, event)
 
     def on_blocked(self, key: ReplicaKey) -> None:
         """A replica waits for credits: it gets those it is owed now, or its next one."""
-        self._on(key, ts.ReplicaBlocked(key[1]))
+        self._on(key[0], ts.ReplicaBlocked(key[1]))
 
     def on_end(self, key: ReplicaKey) -> None:
-        self._on(key, ts.ReplicaEnded(key[1]))
+        self._on(key[0], ts.ReplicaEnded(key[1]))
 
     def on_error(self, key: ReplicaKey, error: TaskError) -> None:
         logger.warning("task %d failed: %s: %s", key[0], error.type, error.message)
-        self._on(key, ts.ReplicaFailed(key[1], error))
+        self._on(key[0], ts.ReplicaFailed(key[1], error))
 
     def fail(self, task_id: int, error: TaskError) -> None:
         """The task failed outside its replicas (an element its readers cannot be sent): every
         reader gets `error` once the buffer is drained, and the replicas stop."""
         logger.warning("task %d failed: %s: %s", task_id, error.type, error.message)
-        task = self.get(task_id)
-        if task is not None:
-            self._event(task, ts.ReplicaFailed(None, error))
+        self._on(task_id, ts.ReplicaFailed(None, error))
 
     def on_get_split(self, request: SplitRequest) -> None:
-        self._on(request.key, ts.SplitsAsked(request.key[1], request.request_id,
-                                              request.repetition, request.finished,
-                                              request.want))
+        self._on(request.key[0], ts.SplitsAsked(request.key[1], request.request_id,
+                                                 request.repetition, request.finished,
+                                                 request.want))
 
     def on_split_done(self, key: ReplicaKey, finished: FinishedSplit) -> None:
         """A replica finished a split and reads the next one it holds."""
-        self._on(key, ts.SplitDone(key[1], finished))
+        self._on(key[0], ts.SplitDone(key[1], finished))
 
     def on_executor_lost(self, slot: int) -> None:
         logger.warning("executor %d died: its replicas' tasks fail", slot)
@@ -379,14 +349,57 @@ class TaskManager:
             self._event(task, ts.ExecutorLost(slot))
 
 
-def _wait(task: TaskShell, want: int, timeout_s: float) -> bool:
-    """Under task.cond: wait until the buffer holds `want` elements, something ends, or
-    `timeout_s` passed. False: no time was left."""
-    if timeout_s <= 0:
-        return False
-    task.wants.append(want)
+def _started(slots: tuple[int, ...], plan: ShardingPlan, dataset: common_pb2.DatasetDef,
+             split_prefetch: int) -> ts.Started:
+    """Where the task's replicas run and where their splits come from."""
+    if plan.local_splits:
+        return ts.Started(slots, local_splits=dataset.num_splits)
+    depth = ts.stock_depth(split_prefetch, dataset.num_splits) if plan.use_splits else None
+    return ts.Started(slots, stock_depth=depth)
+
+
+def _dependencies(dispatcher: Dispatcher, dataset_id: str) -> list[str]:
+    """The datasets `dataset_id` refers to, recursively, each before what needs it."""
+    order: list[str] = []
+
+    def visit(needed: str, path: tuple[str, ...]) -> None:
+        if needed in path:
+            raise ValueError(f"datasets refer to each other in a cycle: {path + (needed,)}")
+        for dependency in dispatcher.dataset(needed).depends_on:
+            visit(dependency, path + (needed,))
+        if needed not in order:
+            order.append(needed)
+
+    visit(dataset_id, ())
+    return order[:-1]
+
+
+def _get_splits(dispatcher: Dispatcher, definition: common_pb2.TaskDef,
+                fetch: ts.FetchSplits) -> ts.SplitsFetched:
+    """Carry out `fetch` (on a thread of the split pool): its answer, or the error to fail
+    the replicas that wait with."""
     try:
-        task.cond.wait(timeout_s)
-    finally:
-        task.wants.remove(want)
-    return True
+        return ts.SplitsFetched(fetch.repetition, dispatcher.get_split(
+            definition, repetition=fetch.repetition, replica=ts.FEED_REPLICA,
+            request_id=fetch.request_id, finished=fetch.finished,
+            max_splits=fetch.max_splits))
+    except ServiceUnavailableError as exc:
+        return ts.SplitsFetched(fetch.repetition, [], ("ServiceUnavailableError", str(exc)))
+    except Exception as exc:  # noqa: BLE001 - reported to the replicas that wait
+        logger.warning("GetSplit failed: %s: %s", type(exc).__name__, exc)
+        return ts.SplitsFetched(fetch.repetition, [],
+                                (type(exc).__name__, f"GetSplit failed: {exc}"))
+
+
+def _runs(items: Iterable[Arrived]) -> Iterator[tuple[int, list[BufferedElement]]]:
+    """`items` as runs of one replica's elements: (task id, its elements)."""
+    key: ReplicaKey | None = None
+    run: list[BufferedElement] = []
+    for item_key, split, offset, payload in items:
+        if item_key != key:
+            if key is not None and run:
+                yield key[0], run
+            key, run = item_key, []
+        run.append(BufferedElement(payload, split, offset, item_key[1]))
+    if run and key is not None:
+        yield key[0], run
