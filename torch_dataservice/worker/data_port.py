@@ -87,7 +87,7 @@ class DataPort:
     """
 
     def __init__(self, fetch: Callable[[worker_pb2.GetElementsRequest], tuple[Any, list]],
-                 ready: Callable[[], bool], host: str, port: int = 0,
+                 ready: Callable[[], bool], host: str, *, port: int = 0,
                  tls: TLSConfig | None = None) -> None:
         self._fetch = fetch
         self._tls_config = tls

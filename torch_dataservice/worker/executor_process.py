@@ -116,7 +116,7 @@ _Outgoing = (_Small | _Local | _Big | _Segment | End | Failed | SplitRequest | S
 class _Replica:
     """One copy of a task's pipeline, running on its own thread."""
 
-    def __init__(self, executor: ExecutorLoop, key: ReplicaKey, pipeline: Pipeline,
+    def __init__(self, executor: ExecutorLoop, key: ReplicaKey, pipeline: Pipeline, *,
                  compression: str | None, use_splits: bool, credits: int) -> None:
         self.key = key
         self._executor = executor
@@ -242,7 +242,7 @@ class _Replica:
                     kept = LocalElement(element, self._compression, codec.estimate_size(element))
                     del element  # the front (and its reader) hold it, not this loop
                     self._take_credit(kept.size)
-                    self._executor.send_local(self.key, wire_split, offset, kept)
+                    self._executor.send_local(self.key, wire_split, offset, element=kept)
                     del kept
                     count += 1
                     continue
@@ -253,7 +253,8 @@ class _Replica:
                 self._take_credit(size)
                 sent_at = time.monotonic()
                 sending = now() if size > INLINE_PAYLOAD_BYTES else 0.0  # a copy or a wait
-                self._executor.send_element(self.key, wire_split, offset, parts, size,
+                self._executor.send_element(self.key, wire_split, offset, parts=parts,
+                                            size=size,
                                             slow=sent_at - last_sent >= SLOW_ELEMENT_S)
                 if sending:
                     clock.times[stages.SEND] += now() - sending
@@ -339,14 +340,14 @@ class ExecutorLoop:
             if self._outbox:
                 self._outbox_ready.notify()
 
-    def send_local(self, key: ReplicaKey, split: SplitKey | None, offset: int,
+    def send_local(self, key: ReplicaKey, split: SplitKey | None, offset: int, *,
                    element: LocalElement) -> None:
         """Hand `element` to the front as an object: its token travels in order with the
         other messages, batched like small elements."""
         assert self.local is not None
         self.send(_Local((key, split, offset, self.local.put(element))))
 
-    def send_element(self, key: ReplicaKey, split: SplitKey | None, offset: int,
+    def send_element(self, key: ReplicaKey, split: SplitKey | None, offset: int, *,
                      parts: list[codec.Part], size: int, slow: bool = False) -> None:
         """Send an encoded element; a `slow` replica's small one is written right away."""
         if size <= INLINE_PAYLOAD_BYTES:
@@ -478,8 +479,8 @@ class ExecutorLoop:
             # Objects are counted by an estimate of their size, which can miss what an opaque
             # object holds (a C extension's buffer): bound their number more tightly too.
             credits = min(credits, LOCAL_CREDITS)
-        replica = _Replica(self, key, pipeline, start.compression, start.plan.use_splits,
-                           credits)
+        replica = _Replica(self, key, pipeline, compression=start.compression,
+                           use_splits=start.plan.use_splits, credits=credits)
         with self._lock:
             self._replicas[key] = replica
         replica.thread.start()

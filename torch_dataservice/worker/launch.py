@@ -497,7 +497,8 @@ def serve(control_fd: int) -> None:
             control.sendall(_REPLY.pack(-(error.errno or 1)))
             continue
         if pid == 0:
-            _run_executor(control, conn_fd, stdout_fd, stderr_fd, request)
+            _run_executor(control, conn_fd, stdout_fd=stdout_fd, stderr_fd=stderr_fd,
+                          request=request)
         for fd in fds:
             os.close(fd)
         children.add(pid)
@@ -562,7 +563,7 @@ def _end(children: set[int]) -> None:
         _reap(children)
 
 
-def _run_executor(control: socket.socket, conn_fd: int, stdout_fd: int, stderr_fd: int,
+def _run_executor(control: socket.socket, conn_fd: int, *, stdout_fd: int, stderr_fd: int,
                   request: _Request) -> None:
     """In the forked child: become what a fresh executor interpreter would be, run the
     executor loop, and exit without the interpreter's teardown (seconds with torch loaded)."""

@@ -124,7 +124,7 @@ class WorkerServer:
             # Elements also travel over a plain socket: gRPC caps big payloads
             # (worker/data_port.py).
             self._data_port = DataPort(self._service.fetch, self._registered.is_set,
-                                       self._config.host, self._config.data_port,
+                                       self._config.host, port=self._config.data_port,
                                        tls=self._config.tls)
             self._data_port.on_sent = self._service.counters.sent
             self._data_port.start()
@@ -182,7 +182,8 @@ class WorkerServer:
             response = self._dispatcher.heartbeat(
                 task_ids=self._tasks.task_ids(),
                 load=metrics.load(self._service.counters, self._tasks.stages,
-                                  self._tasks.buffered_elements(), self._tasks.num_executors),
+                                  buffered=self._tasks.buffered_elements(),
+                                  processes=self._tasks.num_executors),
                 data_port=data_port.port if data_port is not None else 0,
                 data_socket=data_port.socket_path if data_port is not None else "")
         except grpc.RpcError as error:

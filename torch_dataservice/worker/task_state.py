@@ -264,7 +264,7 @@ class WorkerTask:
             case SplitsFetched(repetition, splits, error):
                 if self.stock is None:
                     return []
-                self.stock.fetched(repetition, splits, error, self._clock())
+                self.stock.fetched(repetition, splits, error, now=self._clock())
                 return self._settle()
             case Started(replicas, local_splits, depth):
                 self.replicas, self.started = replicas, True
@@ -416,7 +416,7 @@ class SplitStock:
         self._reports.append(finished)
 
     def fetched(self, repetition: int, splits: list[HandedSplit],
-                error: tuple[str, str] | None, now: float) -> None:
+                error: tuple[str, str] | None, *, now: float) -> None:
         self._in_flight = False
         self.budget.note_latency(now - self._fetch_started)
         if error is not None:

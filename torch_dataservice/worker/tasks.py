@@ -207,7 +207,7 @@ class TaskManager:
             task.datasets = [*dependencies, definition.dataset_id]
             plan = plan_replicas(definition, dataset, self._executors.size)
             slots = tuple(index % self._executors.size for index in range(len(plan.replicas)))
-            task.state.handle(_started(slots, plan, dataset, self._split_prefetch))
+            task.state.handle(_started(slots, plan, dataset, split_prefetch=self._split_prefetch))
             compression = "AUTO" if definition.compression else None
             dependency_bytes = [(d, self._dispatcher.dataset(d).pipeline) for d in dependencies]
             failed: list[ts.Instruction] = []
@@ -250,7 +250,7 @@ class TaskManager:
         """The elements for one GetElements request, through the task's runner."""
         task = self.get(request.task_id)
         if task is None:  # finished here, or not known yet (get_elements tells which)
-            return self.get_elements(request.task_id, *limits(request), wait_s)
+            return self.get_elements(request.task_id, *limits(request), wait_s=wait_s)
         return self._runner(task).get(request, wait_s)
 
     def dropped_at_end(self, task_id: int) -> int:
@@ -264,21 +264,23 @@ class TaskManager:
                 task_id = task.state.task_id
                 task.runner = make_runner(
                     task.state.definition, functools.partial(self.get_elements, task_id),
-                    functools.partial(self._take_encoded, task_id), self._cache_bytes)
+                    functools.partial(self._take_encoded, task_id),
+                    cache_bytes=self._cache_bytes)
             return task.runner
 
-    def _take_encoded(self, task_id: int, max_elements: int, max_bytes: int,
+    def _take_encoded(self, task_id: int, max_elements: int, max_bytes: int, *,
                       wait_s: float) -> Taken:
         """get_elements with payloads encoded: the cache serves an element to several
         trainers, which must not share one object, so each reader decodes its own copy."""
-        elements, end, error = self.get_elements(task_id, max_elements, max_bytes, wait_s)
+        elements, end, error = self.get_elements(task_id, max_elements, max_bytes,
+                                                 wait_s=wait_s)
         failed = encode_elements(elements)
         if failed is not None:
             self.fail(task_id, failed)
             return Taken(elements, False, failed)
         return Taken(elements, end, error)
 
-    def get_elements(self, task_id: int, max_elements: int, max_bytes: int,
+    def get_elements(self, task_id: int, max_elements: int, max_bytes: int, *,
                      wait_s: float) -> Taken:
         """Up to `max_elements` (and about `max_bytes`) elements; waits up to `wait_s` for one.
 
@@ -349,7 +351,7 @@ class TaskManager:
             self._event(task, ts.ExecutorLost(slot))
 
 
-def _started(slots: tuple[int, ...], plan: ShardingPlan, dataset: common_pb2.DatasetDef,
+def _started(slots: tuple[int, ...], plan: ShardingPlan, dataset: common_pb2.DatasetDef, *,
              split_prefetch: int) -> ts.Started:
     """Where the task's replicas run and where their splits come from."""
     if plan.local_splits:
