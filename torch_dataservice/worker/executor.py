@@ -6,7 +6,7 @@ re-import the user's `__main__` (a script without an `if __name__ == "__main__"`
 works) and never inherit gRPC's threads. Each is connected by a socketpair and says `Ready`
 first: `start()` returns once all did. With `num_processes=0` the same executor loop runs on a
 thread of this process (for debugging, or to hand elements to in-process readers as the objects
-themselves: worker/local.py; the GIL then limits a CPU-bound map to one core).
+themselves: `LocalElement`, wire/inprocess.py; the GIL then limits a CPU-bound map to one core).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ front grants a credit for every element it hands to a client, so a slow consumer
 pipeline instead of filling memory.
 
 On a thread of the front's own process (`num_processes=0`) elements are not encoded here: each
-goes to the front as the object itself (worker/local.py, `LocalElement`) through an in-memory
+goes to the front as the object itself (`LocalElement`, wire/inprocess.py) through an in-memory
 `LocalChannel`, and only its token through the connection, so an in-process reader receives it
 without an encode, a copy or a decode. Credits then count an estimate of its encoded size.
 
@@ -210,8 +210,8 @@ class _Replica:
             self._bytes_in_flight += size
 
     def _run(self) -> None:
-        """The replica's one loop: pull, tag, encode, send, and time each stage. Kept whole
-        (61 lines): it is the per-element hot path, each step visible in one place."""
+        """The replica's one loop: pull, tag, encode, send, and time each stage. Kept whole:
+        it is the per-element hot path, each step visible in one place."""
         ctx = ExecutionContext(split_provider=self if self._use_splits else None)
         try:
             last_split = None
