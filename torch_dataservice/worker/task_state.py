@@ -240,45 +240,36 @@ class WorkerTask:
                 return [ToExecutor(self.replicas[replica], Credit((self.task_id, replica), n))
                         ] if n else []
             case ReplicaEnded(replica):
-                self._release(self.order.finished(replica))
-                self.ended_replicas.add(replica)
-                self.credits.ended(replica)
-                return [Wake(len(self.buffer), everyone=True)]
+                return self._ended(replica)
             case ReplicaFailed(replica, error):
                 return self._failed(replica, error)
             case ExecutorLost(slot):
-                lost = TaskError("RuntimeError", "the executor process running this task died",
-                                 "")
-                return [instruction for index, replica_slot in enumerate(self.replicas)
-                        if replica_slot == slot and index not in self.ended_replicas
-                        for instruction in self._failed(index, lost)]
+                return self._lost(slot)
             case SplitsAsked():
                 return self._asked(event)
             case SplitDone(replica, finished):
-                self._release(self.order.finished(replica, _key(finished)))
-                out: list[Instruction] = [Wake(len(self.buffer))]
-                if self.stock is not None:
-                    self.stock.report(finished)
-                    out += self._settle()
-                return out
+                return self._done(replica, finished)
             case SplitsFetched(repetition, splits, error):
                 if self.stock is None:
                     return []
                 self.stock.fetched(repetition, splits, error, now=self._clock())
                 return self._settle()
-            case Started(replicas, local_splits, depth):
-                self.replicas, self.started = replicas, True
-                if local_splits is not None:
-                    self.local_cursor = LocalSplitCursor(local_splits)
-                elif depth is not None:
-                    self.stock = SplitStock(depth)
-                return []
+            case Started():
+                return self._started(event)
             case Deleted():
                 if self.stock is not None:
                     self.stock.close()
                 self.buffer.clear()
                 return [*self.stops(), Wake(0, everyone=True)]
         raise TypeError(f"not a task event: {event!r}")
+
+    def _started(self, started: Started) -> list[Instruction]:
+        self.replicas, self.started = started.replicas, True
+        if started.local_splits is not None:
+            self.local_cursor = LocalSplitCursor(started.local_splits)
+        elif started.stock_depth is not None:
+            self.stock = SplitStock(started.stock_depth)
+        return []
 
     # ------------------------------------------------------------------ elements
     def _arrived(self, elements: list[BufferedElement]) -> list[Instruction]:
@@ -309,6 +300,18 @@ class WorkerTask:
             self.completed = True
             out.append(ReportCompleted(self.task_id))
         return out
+
+    def _ended(self, replica: int) -> list[Instruction]:
+        self._release(self.order.finished(replica))
+        self.ended_replicas.add(replica)
+        self.credits.ended(replica)
+        return [Wake(len(self.buffer), everyone=True)]
+
+    def _lost(self, slot: int) -> list[Instruction]:
+        lost = TaskError("RuntimeError", "the executor process running this task died", "")
+        return [instruction for index, replica_slot in enumerate(self.replicas)
+                if replica_slot == slot and index not in self.ended_replicas
+                for instruction in self._failed(index, lost)]
 
     def _release(self, elements: list[BufferedElement]) -> None:
         """Elements the split order let go, to the buffer."""
@@ -346,6 +349,14 @@ class WorkerTask:
         self.stock.ask(_Waiter(replica, ask.request_id, ask.repetition, ask.want),
                        ask.finished, self._clock())
         return out + self._settle()
+
+    def _done(self, replica: int, finished: FinishedSplit) -> list[Instruction]:
+        self._release(self.order.finished(replica, _key(finished)))
+        out: list[Instruction] = [Wake(len(self.buffer))]
+        if self.stock is not None:
+            self.stock.report(finished)
+            out += self._settle()
+        return out
 
     def _settle(self) -> list[Instruction]:
         """Answer the replicas the stock can answer (recording the hand-out order before they
