@@ -274,23 +274,24 @@ class WorkerTask:
     # ------------------------------------------------------------------ elements
     def _arrived(self, elements: list[BufferedElement]) -> list[Instruction]:
         now = self._clock()
-        for element in elements:
-            self.arrivals.note(now)
-            if self.order.admit(element.replica, element.split, element):
-                self.buffer.append(element)
+        note, admit, append = self.arrivals.note, self.order.admit, self.buffer.append
+        for element in elements:  # per element: names bound once
+            note(now)
+            if admit(element.replica, element.split, element):
+                append(element)
         return [Wake(len(self.buffer))]
 
     def _taken(self, max_elements: int, max_bytes: int) -> list[Instruction]:
         taken: list[BufferedElement] = []
         size = 0
-        buffer = self.buffer
+        buffer, ended, credit = self.buffer, self.ended_replicas, self.credits.taken
         while buffer and len(taken) < max_elements and (not taken or size < max_bytes):
             element = buffer.popleft()
             taken.append(element)
             element_size = payload_nbytes(element.payload)
             size += element_size
-            if element.replica not in self.ended_replicas:
-                self.credits.taken(element.replica, element_size)
+            if element.replica not in ended:
+                credit(element.replica, element_size)
         error = self.error if not buffer else None
         end = self.exhausted() and error is None
         out: list[Instruction] = [Handed(taken, end and not taken, error)]
