@@ -18,6 +18,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "torch_dataservice"
 # Floor of each top-level piece (a module or a sub-package); higher floors may import lower ones.
 FLOORS = {
     "errors": 0, "config": 0, "auth": 0, "rpc": 0, "serving": 0, "proto": 0, "version": 0,
+    "fork_gate": 0, "peers": 0,
     "policies": 1, "wire": 1, "pipeline": 1, "observability": 1,
     "dispatcher": 2, "worker": 2, "client": 2,
     "torch": 3,

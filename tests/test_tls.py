@@ -117,16 +117,65 @@ def test_a_dynamic_epoch_travels_over_tls(tls_cluster, monkeypatch: pytest.Monke
         assert answer != ACCEPTED
 
 
-@pytest.mark.timeout(30)
-def test_a_reader_that_does_not_trust_the_ca_is_refused_quickly(
+@pytest.mark.timeout(90)
+def test_a_reader_without_the_ca_is_told_tls_within_seconds(
         tls_cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24.3: before, it retried its whole connect deadline (60 s) on "Socket closed"
+    and said nothing of TLS; a plaintext channel against a TLS server is recognisable."""
     dispatcher, _ = tls_cluster
     monkeypatch.delenv(auth.TLS_CA_ENV)
-    monkeypatch.setenv("TORCH_DATASERVICE_CONNECT_TIMEOUT_S", "1")
-    began = time.monotonic()
-    with pytest.raises(ServiceUnavailableError, match="TLS"):
-        read_epoch(dispatcher.target, "no-ca")
-    assert time.monotonic() - began < 15
+    monkeypatch.delenv("TORCH_DATASERVICE_CONNECT_TIMEOUT_S", raising=False)
+    for attempt in (lambda: read_epoch(dispatcher.target, "no-ca"),
+                    lambda: tds.register_dataset(dispatcher.target, tds.Pipeline.range(3))):
+        began = time.monotonic()
+        with pytest.raises(ServiceUnavailableError, match="speaks TLS") as info:
+            attempt()
+        assert time.monotonic() - began < 10
+        assert auth.TLS_CA_ENV in str(info.value)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.integration
+def test_a_cli_worker_without_the_ca_exits_at_once_naming_it(
+        certs: Path, process_cluster: ProcessCluster) -> None:
+    """Before: it retried the TLS dispatcher for ever, logging "Socket closed"."""
+    process_cluster.start_dispatcher("--tls-cert", str(certs / "server.pem"),
+                                     "--tls-key", str(certs / "server.key"))
+    worker = process_cluster.spawn("worker", "--dispatcher", process_cluster.dispatcher.address,
+                                   "--host", HOST, "--processes", "0")
+    assert worker.wait_exit(30) == 2, worker.output
+    assert "speaks TLS" in worker.output and auth.TLS_CA_ENV in worker.output
+
+
+@pytest.mark.timeout(10)
+def test_client_auth_takes_required_or_none(certs: Path, monkeypatch: pytest.MonkeyPatch
+                                            ) -> None:
+    with pytest.raises(ValueError, match="'optional'"):
+        tds.TLSConfig(str(certs / "server.pem"), str(certs / "server.key"),
+                      str(certs / "ca.pem"), client_auth="optional")
+    trusting = tds.TLSConfig(str(certs / "server.pem"), str(certs / "server.key"),
+                             str(certs / "ca.pem"), client_auth="none")
+    assert not trusting.mutual and server_tls(certs, mutual=True).mutual
+    monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
+    monkeypatch.delenv(auth.ALLOW_UNAUTHENTICATED_ENV, raising=False)
+    with pytest.raises(ValueError, match="without authentication"):
+        auth.check_bind("0.0.0.0", trusting)  # TLS without client certificates lets anyone in
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.integration
+def test_cli_servers_with_a_ca_and_no_client_auth(
+        certs: Path, process_cluster: ProcessCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TLS without mTLS for CLI servers: --tls-ca is the CA they trust when they dial (the
+    worker its dispatcher), and --tls-client-auth none (or its variable) asks readers for no
+    certificate."""
+    flags = ["--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server.key"),
+             "--tls-ca", str(certs / "ca.pem")]
+    process_cluster.start_dispatcher(*flags, "--tls-client-auth", "none")
+    process_cluster.env["TORCH_DATASERVICE_TLS_CLIENT_AUTH"] = "none"
+    process_cluster.start_worker(*flags, "--data-port", str(free_port()))
+    trust(monkeypatch, certs)  # the CA, and no client certificate
+    assert read_epoch(process_cluster.target, "tls-no-client-auth") == list(range(N))
 
 
 @pytest.mark.timeout(120)

@@ -22,6 +22,8 @@ import hmac
 import ipaddress
 import logging
 import os
+import re
+import socket
 import ssl
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +31,7 @@ from typing import Any
 import grpc
 
 from torch_dataservice.config import TLSConfig
+from torch_dataservice.peers import PeerLog, peer_host
 
 logger = logging.getLogger(__name__)
 
@@ -89,12 +92,16 @@ class TokenCheck(grpc.ServerInterceptor):
         given_bytes = given.encode() if isinstance(given, str) else given
         if handler is None or hmac.compare_digest(given_bytes, self._expected):
             return handler
-        return _refusal(handler)
+        return _refusal(handler, handler_call_details.method)
 
 
-def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+# Once per peer per minute, with a count: a peer without the token must not flood the log.
+_refused = PeerLog(logger, "refused a call (missing or wrong token)")
+
+
+def _refusal(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
     def refuse(request: Any, context: grpc.ServicerContext) -> Any:
-        logger.warning("refused a call from %s: missing or wrong token", context.peer())
+        _refused.note(peer_host(context.peer()), method)
         context.abort(grpc.StatusCode.UNAUTHENTICATED,
                       f"missing or wrong {TOKEN_ENV} token")
 
@@ -169,6 +176,44 @@ def tls_hint(details: str) -> str:
     return ""
 
 
+# How gRPC reports a connection the server closed: "... ipv4:127.0.0.1:5000: Socket closed".
+_CLOSED_BY = re.compile(r"(?:ipv4:|ipv6:)?(\[[^\]]+\]|[^\s:\[\]]+):(\d+): Socket closed")
+PROBE_TIMEOUT_S = 2.0
+
+
+def plaintext_against_tls(details: str) -> str | None:
+    """What to do when this process dials in plaintext and the server that closed the
+    connection (named in `details`) speaks TLS, probed with one handshake; else None.
+
+    A plaintext gRPC channel against a TLS server only ever sees "Socket closed", which a
+    retry never mends: said at once, a reader without the CA fails in seconds, not after its
+    whole connect deadline."""
+    if client_tls() is not None:
+        return None
+    match = _CLOSED_BY.search(details)
+    if match is None or not speaks_tls(match.group(1).strip("[]"), int(match.group(2))):
+        return None
+    return (f"the server at {match.group(1)}:{match.group(2)} speaks TLS and this process "
+            f"dials it in plaintext: set {TLS_CA_ENV} to the CA that signed its certificate")
+
+
+def speaks_tls(host: str, port: int) -> bool:
+    """Whether `host:port` answers a TLS handshake (its certificate unchecked: this only
+    tells TLS from plaintext)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    try:
+        with socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S) as raw, \
+                context.wrap_socket(raw):
+            return True
+    except ssl.SSLError as error:  # an alert is TLS too (e.g. it wants a client certificate)
+        return "ALERT" in str(error.reason or "")
+    except OSError:
+        return False
+
+
 def _read(path: str) -> bytes:
     with open(path, "rb") as source:
         return source.read()
@@ -183,10 +228,11 @@ def channel_credentials(tls: tuple[str, str | None, str | None]) -> grpc.Channel
 
 
 def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
-    """gRPC server credentials; with a CA, clients must present a certificate it signed."""
+    """gRPC server credentials; with mTLS (`TLSConfig.mutual`), clients must present a
+    certificate its CA signed."""
     return grpc.ssl_server_credentials(
         [(_read(tls.key_file), _read(tls.cert_file))],
-        root_certificates=_read(tls.ca_file) if tls.ca_file else None,
+        root_certificates=_read(tls.ca_file) if tls.mutual else None,
         require_client_auth=tls.mutual)
 
 
@@ -194,7 +240,7 @@ def server_ssl_context(tls: TLSConfig) -> ssl.SSLContext:
     """The data port's TLS: the same identity and client-certificate rule as gRPC."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(tls.cert_file, tls.key_file)
-    if tls.ca_file:
+    if tls.mutual:
         context.verify_mode = ssl.CERT_REQUIRED
         context.load_verify_locations(tls.ca_file)
     return context

@@ -71,8 +71,12 @@ TLS_FLAGS = [
     Flag("--tls-cert", "PEM certificate: serve gRPC (and a worker's data port) over TLS; also "
                        "presented when this process dials a server that requires one"),
     Flag("--tls-key", "PEM private key of --tls-cert"),
-    Flag("--tls-ca", "PEM CA: require client certificates it signed (mTLS; then no token is "
-                     "needed beyond loopback), and trust servers it signed"),
+    Flag("--tls-ca", "PEM CA: trust servers it signed, and (with --tls-client-auth "
+                     "required) require client certificates it signed (mTLS; then no token is "
+                     "needed beyond loopback)"),
+    Flag("--tls-client-auth", "whether a server with --tls-ca requires client certificates: "
+                              "required (mTLS, default) or none (TLS only)",
+         default="required", choices=("required", "none")),
 ]
 FLAGS: dict[str, list[Flag]] = {
     "dispatcher": [
@@ -91,6 +95,12 @@ FLAGS: dict[str, list[Flag]] = {
                                     "10000)", "int"),
         Flag("--job-gc-timeout-ms", "an iteration without clients this long is collected "
                                     "(default: 300000)", "int"),
+        Flag("--max-dataset-bytes", "largest dataset definition (pickled pipeline) a client "
+                                    "may register (default: 1 GiB)", "int", 1 << 30),
+        Flag("--max-datasets", "most datasets registered at once (default: 10000)", "int",
+             10_000),
+        Flag("--max-workers", "most workers registered at once (default: 10000)", "int",
+             10_000),
         PORT_FILE,
         METRICS_PORT,
         *TLS_FLAGS,
@@ -104,6 +114,9 @@ FLAGS: dict[str, list[Flag]] = {
         Flag("--port", "gRPC port to listen on; 0 picks a free one (default: 0)", "int", 0),
         Flag("--data-port", "TCP port elements are also served on; 0 picks a free one "
                             "(default: 0)", "int", 0),
+        Flag("--data-port-max-connections", "most data-port connections open at once; more "
+                                            "are refused as they come (default: 1024)", "int",
+             1024),
         Flag("--host", "address to bind (default: localhost; 0.0.0.0: every interface)",
              default="localhost"),
         Flag("--worker-address", "address the dispatcher gives clients; %%port%% is replaced "
@@ -246,7 +259,7 @@ def _tls(args: argparse.Namespace) -> TLSConfig | None:
     if not (args.tls_cert and args.tls_key):
         raise ValueError("--tls-cert and --tls-key go together (and --tls-ca needs both), got "
                          f"--tls-cert={args.tls_cert!r} --tls-key={args.tls_key!r}")
-    tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_ca)
+    tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_ca, args.tls_client_auth)
     os.environ[auth.TLS_CERT_ENV], os.environ[auth.TLS_KEY_ENV] = tls.cert_file, tls.key_file
     if tls.ca_file:
         os.environ[auth.TLS_CA_ENV] = tls.ca_file
@@ -262,7 +275,8 @@ def _run_dispatcher(args: argparse.Namespace, signals: _Signals) -> int:
         fault_tolerant_mode=args.fault_tolerant, worker_addresses=addresses,
         journal_recovery=args.journal_recovery, worker_timeout_ms=args.worker_timeout_ms,
         job_gc_timeout_ms=args.job_gc_timeout_ms, metrics_port=args.metrics_port,
-        tls=_tls(args)))
+        max_dataset_bytes=args.max_dataset_bytes, max_datasets=args.max_datasets,
+        max_workers=args.max_workers, tls=_tls(args)))
     if args.port_file:
         write_port_file(args.port_file, server.address)
     print(f"dispatcher serving at {server.target}", flush=True)
@@ -289,6 +303,7 @@ def _run_worker(args: argparse.Namespace, signals: _Signals) -> int:
     worker = WorkerServer(WorkerConfig(
         dispatcher_address=address, port=args.port, host=args.host,
         worker_address=args.worker_address, num_processes=args.processes,
+        data_port_max_connections=args.data_port_max_connections,
         heartbeat_interval_ms=args.heartbeat_interval_ms,
         dispatcher_timeout_ms=args.dispatcher_timeout_ms, data_port=args.data_port,
         cross_trainer_cache_bytes=args.cross_trainer_cache_bytes,

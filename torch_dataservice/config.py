@@ -57,26 +57,36 @@ def _check_readable(name: str, path: object) -> str:
     return text
 
 
+CLIENT_AUTH = ("required", "none")
+
+
 @dataclass(frozen=True)
 class TLSConfig:
-    """A server's TLS identity: PEM `cert_file` and `key_file`. `ca_file` also requires
-    clients to present a certificate signed by it (mTLS), which then authenticates them
-    (see auth.check_bind). Files are checked when built so a typo fails at start."""
+    """A server's TLS identity: PEM `cert_file` and `key_file`. `ca_file` is the CA its
+    process trusts when it dials (a CLI worker its dispatcher) and, with
+    `client_auth="required"` (the default), also the CA whose certificate every client must
+    present (mTLS), which then authenticates them (see auth.check_bind); `"none"` serves TLS
+    without asking for client certificates. Files are checked when built so a typo fails at
+    start."""
 
     cert_file: str
     key_file: str
     ca_file: str | None = None
+    client_auth: str = "required"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cert_file", _check_readable("cert_file", self.cert_file))
         object.__setattr__(self, "key_file", _check_readable("key_file", self.key_file))
         if self.ca_file is not None:
             object.__setattr__(self, "ca_file", _check_readable("ca_file", self.ca_file))
+        if self.client_auth not in CLIENT_AUTH:
+            raise ValueError(f"client_auth must be one of {CLIENT_AUTH}, "
+                             f"got {self.client_auth!r}")
 
     @property
     def mutual(self) -> bool:
         """Clients must present a certificate (mTLS)."""
-        return self.ca_file is not None
+        return self.ca_file is not None and self.client_auth == "required"
 
 
 def _check_tls(tls: object) -> None:
@@ -111,9 +121,17 @@ class DispatcherConfig:
     journal_recovery: str = "fail"
     metrics_port: int | None = None  # Prometheus /metrics: None off, 0 a free port
     tls: TLSConfig | None = None  # serve gRPC over TLS (mTLS with a ca_file)
+    # What requests may make the dispatcher hold (a refused request names the limit).
+    max_dataset_bytes: int = 1 << 30  # one dataset definition (the pickled pipeline)
+    max_datasets: int = 10_000  # datasets registered at once
+    max_workers: int = 10_000  # workers registered at once
 
     def __post_init__(self) -> None:
         _check_port(self.port)
+        for name in ("max_dataset_bytes", "max_datasets", "max_workers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
         _check_tls(self.tls)
         _check_metrics_port(self.metrics_port)
         _check_protocol(self.protocol)
@@ -178,6 +196,7 @@ class WorkerConfig:
     # most a sixteenth of an epoch's splits); 0 asks only when a process needs one.
     split_prefetch: int = 64
     data_port: int = 0
+    data_port_max_connections: int = 1024  # open at once; more are refused as they come
     drain_timeout_s: float = 30.0
     metrics_port: int | None = None  # Prometheus /metrics: None off, 0 a free port
     executor_torch_threads: int | None = 1
@@ -192,6 +211,11 @@ class WorkerConfig:
             raise ValueError(f"executor_torch_threads must be an int >= 1 or None, "
                              f"got {self.executor_torch_threads!r}")
         _check_port(self.data_port, "data_port")
+        if (isinstance(self.data_port_max_connections, bool)
+                or not isinstance(self.data_port_max_connections, int)
+                or self.data_port_max_connections <= 0):
+            raise ValueError(f"data_port_max_connections must be a positive int, "
+                             f"got {self.data_port_max_connections!r}")
         _check_worker_address(self.worker_address)
         if (isinstance(self.drain_timeout_s, bool)
                 or not isinstance(self.drain_timeout_s, (int, float))

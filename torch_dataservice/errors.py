@@ -120,6 +120,12 @@ class NotReadyError(Exception):
     """Raised by service handlers for 'not ready yet': mapped to UNAVAILABLE (retryable)."""
 
 
+class ReaderReleasedError(RuntimeError, LookupError):
+    """The dispatcher released a reader silent for longer than job_gc_timeout_ms (a paused or
+    stalled process), and its iteration cannot be joined again. A `tds.DataLoader` registers
+    what it had not yielded again (its epoch's dataset may be gone with the iteration)."""
+
+
 class JournalCorruptError(RuntimeError):
     """The dispatcher's journal is damaged in the middle (not a torn tail from a crash):
     replaying past the damage would roll state back and hand out data twice. The message

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from torch_dataservice import auth
+from torch_dataservice import auth, fork_gate
 from torch_dataservice.errors import (
     ERROR_KIND_KEY,
     VERSION_MISMATCH_KIND,
@@ -23,6 +23,7 @@ from torch_dataservice.errors import (
     VersionMismatchError,
     is_retryable,
 )
+from torch_dataservice.peers import PeerLog, peer_host
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +97,8 @@ def grpc_started() -> bool:
 def channel_to(address: str) -> grpc.Channel:
     """A shared channel to `address` (one per address, token and TLS settings per process),
     carrying the fleet's token when one is set and over TLS when `TORCH_DATASERVICE_TLS_CA` is
-    set (see auth.py). Keyed by both: a channel made before they were set must not serve a
-    server that requires them (e.g. on a reused port)."""
+    set (see auth.py); its calls hold off forks (fork_gate.py). Keyed by both: a channel made
+    before they were set must not serve a server that requires them (e.g. on a reused port)."""
     tls = auth.client_tls()
     key = (address, auth.token(), tls)
     with _channels_lock:
@@ -106,7 +107,7 @@ def channel_to(address: str) -> grpc.Channel:
             raw = (grpc.secure_channel(address, auth.channel_credentials(tls),
                                        options=CHANNEL_OPTIONS)
                    if tls is not None else grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
-            channel = auth.secure_channel(raw)
+            channel = fork_gate.gated(auth.secure_channel(raw))
             _channels[key] = channel
         return channel
 
@@ -142,6 +143,7 @@ def retry(
     reported = 0
     backoff = initial_backoff_s
     attempt = 0
+    probed = False
     while True:
         attempt += 1
         try:
@@ -149,6 +151,11 @@ def retry(
         except grpc.RpcError as error:
             if not is_retryable(error):
                 raise
+            if not probed and "Socket closed" in (error.details() or ""):
+                probed = True  # once: a plaintext channel against a TLS server is no outage
+                mismatch = auth.plaintext_against_tls(error.details() or "")
+                if mismatch is not None:
+                    raise ServiceUnavailableError(f"{description}: {mismatch}") from error
             now = time.monotonic()
             remaining, waited = end - now, now - started
             if remaining <= 0 or (stop is not None and stop.is_set()):
@@ -199,6 +206,11 @@ def _repeated(field: Any) -> bool:
     return field.is_repeated
 
 
+# An operator looks for refused peers in the log; a peer that keeps asking gets one line a
+# minute, with a count.
+_refused = PeerLog(logger, "refused a peer of another version")
+
+
 def servicer_method(method: Callable[..., Any]) -> Callable[..., Any]:
     """Map handler exceptions to gRPC statuses with the message a caller can act on.
 
@@ -206,7 +218,7 @@ def servicer_method(method: Callable[..., Any]) -> Callable[..., Any]:
     and never reaches the state. NotReadyError -> UNAVAILABLE (retryable), ValueError ->
     INVALID_ARGUMENT, KeyError/LookupError -> NOT_FOUND, FailedPreconditionError ->
     FAILED_PRECONDITION, VersionMismatchError -> FAILED_PRECONDITION (marked in the trailing
-    metadata, and logged: an operator looks for refused peers in the dispatcher's log),
+    metadata, and logged once a minute per peer host),
     anything else -> INTERNAL with its type and message.
     """
 
@@ -218,7 +230,7 @@ def servicer_method(method: Callable[..., Any]) -> Callable[..., Any]:
         except NotReadyError as error:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         except VersionMismatchError as error:
-            logger.warning("refused %s from %s: %s", method.__name__, context.peer(), error)
+            _refused.note(peer_host(context.peer()), f"{method.__name__}: {error}")
             context.set_trailing_metadata(((ERROR_KIND_KEY, VERSION_MISMATCH_KIND),))
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         except ValueError as error:

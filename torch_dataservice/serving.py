@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from torch_dataservice import auth
 from torch_dataservice.config import WILDCARD_HOSTS, TLSConfig
+from torch_dataservice.peers import MalformedRequests
 from torch_dataservice.rpc import SERVER_OPTIONS, note_server_started
 
 logger = logging.getLogger(__name__)
@@ -25,16 +26,22 @@ logger = logging.getLogger(__name__)
 
 def start_grpc_server(
     register: Callable[[grpc.Server], None], host: str, port: int, max_workers: int = 64,
-    tls: TLSConfig | None = None,
+    tls: TLSConfig | None = None, max_receive_bytes: int | None = None,
 ) -> tuple[grpc.Server, int]:
     """Start a gRPC server with `register(server)` adding the servicers; returns (server, port).
-    With `tls`, it serves over TLS only (and requires client certificates given a CA)."""
+    With `tls`, it serves over TLS only (and requires client certificates given a CA).
+    `max_receive_bytes` caps a request's size (None: no cap): what one request may make the
+    server buffer."""
     auth.check_bind(host, tls)
     note_server_started()
+    options = SERVER_OPTIONS
+    if max_receive_bytes is not None:
+        options = [(key, max_receive_bytes if key == "grpc.max_receive_message_length"
+                    else value) for key, value in SERVER_OPTIONS]
     server = grpc.server(
         ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        options=SERVER_OPTIONS,
-        interceptors=auth.server_interceptors(),
+        options=options,
+        interceptors=[*auth.server_interceptors(), MalformedRequests()],
     )
     register(server)
     try:

@@ -92,3 +92,29 @@ def test_one_just_registered_again_is_kept_for_its_registrant() -> None:
     read_once(service, dataset_id, "second pass")
     collect(service, clock)
     assert dataset_id not in service.state.datasets
+
+
+def test_one_no_job_reads_goes_after_job_gc_timeout(tmp_path: Path) -> None:
+    """Issue 24.7: junk registrations (and ones whose registrant died before its job) were
+    kept for ever; also those a restarted dispatcher replays."""
+    clock = Clock()
+    service = make_service(clock, tmp_path, job_gc_timeout_ms=1000)
+    junk = {register(service, f"junk-{i}", ephemeral=True) for i in range(50)}
+    kept = register(service, "forever", ephemeral=False)
+    read = register(service, "epoch-7", ephemeral=True)
+    job = service.GetOrCreateJob(pb.GetOrCreateJobRequest(config=common_pb2.JobConfig(
+        dataset_id=read)), None)
+    service.GetOrCreateIteration(pb.GetOrCreateIterationRequest(job_id=job.job_id), None)
+    service.check_liveness()
+    assert junk <= set(service.state.datasets)  # their registrants' jobs may be on the way
+    clock.now += 1.5
+    service.check_liveness()
+    assert set(service.state.datasets) == {kept, read}  # "epoch-7" has a reader
+    more = register(service, "junk-after", ephemeral=True)
+    service.close()
+    later = Clock()
+    restarted = make_service(later, tmp_path, job_gc_timeout_ms=1000)
+    assert more in restarted.state.datasets
+    later.now += 1.5
+    restarted.check_liveness()
+    assert more not in restarted.state.datasets and kept in restarted.state.datasets

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, ProcessCluster
-from tests.fault.helpers import Consumer
+from tests.fault.helpers import Consumer, tally_all
+from torch_dataservice.client.membership import HEARTBEAT_INTERVAL_S
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(240)]
 
 N = 20_000
 PAUSE_S = 3.0  # > job_gc_timeout_ms (300) + the dispatcher's check interval (1 s)
@@ -90,3 +91,35 @@ def test_a_paused_off_reader_fails_naming_job_gc_timeout(process_cluster: Proces
         proc.kill()
     assert "ERROR" in output and "job_gc_timeout_ms" in output, output
     assert "not known" not in output, output
+
+
+def test_a_paused_reader_sharing_a_job_drops_what_was_handed_again(
+        process_cluster: ProcessCluster, tmp_path: Path) -> None:
+    """Two readers share an exactly-once DYNAMIC epoch; one is paused (SIGSTOP) past
+    worker_timeout_ms while a worker is killed, so the splits it held elements of are handed
+    to the other reader. Told on its return that it was declared silent, it drops what it
+    holds unacknowledged before yielding anything more: duplicates stay within what it
+    yielded during its last heartbeat interval before the pause, and nothing is missing."""
+    rate = 2000  # elements/s per reader, taken one at a time
+    n = 40_000
+    dispatcher = process_cluster.start_dispatcher("--worker-timeout-ms", "1500")
+    workers = [process_cluster.start_worker() for _ in range(2)]
+    go = tmp_path / "go"
+    consumers = [Consumer(process_cluster, n, tmp_path / f"out{i}.txt", "shared", max_rate=rate,
+                          flush_every=1, go=go) for i in range(2)]
+    Consumer.start_together(consumers, go, 60)
+    paused = consumers[0]
+    assert paused.wait_received(n // 10, 60), paused.output()
+    paused.proc.send_signal(signal.SIGSTOP)
+    workers[0].kill()
+    time.sleep(PAUSE_S + 1.5)  # > worker_timeout_ms (1500) + the dispatcher's check (1 s)
+    paused.proc.send_signal(signal.SIGCONT)
+    for consumer in consumers:
+        consumer.wait(120)
+    result = tally_all([c.out for c in consumers], n)
+    window = rate * HEARTBEAT_INTERVAL_S  # what it yields in one heartbeat interval
+    logs = "\n".join(c.output() for c in consumers)
+    assert result.done and result.missing == 0 and result.duplicated <= window, (
+        f"{result} (at most {window:.0f} duplicates)\n{logs}\n{dispatcher.output[-2000:]}")
+    assert "silent for" in dispatcher.output  # it really was declared silent
+    assert "dropped" in paused.output(), paused.output()

@@ -14,6 +14,7 @@ from torch.utils.data import Dataset
 
 import torch_dataservice as tds
 from tests.conftest import Cluster
+from torch_dataservice.torch import embedded
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -38,18 +39,32 @@ def caught(action: Any, needle: str) -> list[str]:
     return [str(r.message) for r in records if needle in str(r.message)]
 
 
-def test_too_many_workers_warns_as_torch(cluster: Cluster) -> None:
+def test_too_many_workers_warns_as_torch_where_the_executors_run_here(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The embedded service's executors share this machine's cores: torch's warning, as
+    torch gives it."""
+    monkeypatch.delenv(embedded.ADDRESS_ENV, raising=False)
     too_many = len(os.sched_getaffinity(0)) + 3
-    for make in (lambda: list(torch.utils.data.DataLoader(Small(), num_workers=too_many)),
-                 lambda: list(tds.DataLoader(Small(), num_workers=too_many,
-                                             service=cluster.target))):
-        messages = caught(make, "worker processes in total")
-        assert len(messages) == 2  # at construction and at iter(), as torch
-        assert f"will create {too_many} worker processes" in messages[0]
-    expected = caught(lambda: torch.utils.data.DataLoader(Small(), num_workers=too_many),
-                      "worker processes in total")
-    assert caught(lambda: tds.DataLoader(Small(), num_workers=too_many, service=cluster.target),
-                  "worker processes in total") == expected
+    try:
+        for make in (lambda: list(torch.utils.data.DataLoader(Small(), num_workers=too_many)),
+                     lambda: list(tds.DataLoader(Small(), num_workers=too_many))):
+            messages = caught(make, "worker processes in total")
+            assert len(messages) == 2  # at construction and at iter(), as torch
+            assert f"will create {too_many} worker processes" in messages[0]
+        expected = caught(lambda: torch.utils.data.DataLoader(Small(), num_workers=too_many),
+                          "worker processes in total")
+        assert caught(lambda: tds.DataLoader(Small(), num_workers=too_many),
+                      "worker processes in total") == expected
+    finally:
+        embedded.shutdown()
+
+
+def test_too_many_workers_do_not_warn_with_a_remote_service(cluster: Cluster) -> None:
+    """No worker process starts on this machine: nothing to warn about (issue 24.5)."""
+    too_many = len(os.sched_getaffinity(0)) + 3
+    assert caught(lambda: list(tds.DataLoader(Small(), num_workers=too_many,
+                                              service=cluster.target)),
+                  "worker processes") == []
 
 
 def test_deprecated_pin_memory_device_warns_as_torch(cluster: Cluster) -> None:

@@ -9,11 +9,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
+
 from torch_dataservice.observability.client import ClientStats, current_sink
 from torch_dataservice.pipeline import Pipeline, pickling, shared_objects
 from torch_dataservice.policies import TARGET_WORKERS, ShardingPolicy
 from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
-from torch_dataservice.rpc import channel_to, parse_service, retry
+from torch_dataservice.rpc import channel_to, parse_service, retry, rpc_error_to_exception
 
 _MODE_STRINGS = {"parallel_epochs": ShardingPolicy.OFF, "distributed_epoch": ShardingPolicy.DYNAMIC}
 _COMPRESSIONS = ("AUTO", None)
@@ -167,9 +169,18 @@ def register_definition(service: Any, definition: common_pb2.DatasetDef,
     request = dispatcher_pb2.GetOrRegisterDatasetRequest(
         dataset=definition, dataset_id=dataset_id or "")
     stub = _dispatcher(address)
-    response = retry(lambda: stub.GetOrRegisterDataset(request, timeout=30),
-                     description=f"registering a dataset with the dispatcher at {address}",
-                     deadline_s=connect_timeout_s())
+    try:
+        response = retry(lambda: stub.GetOrRegisterDataset(request, timeout=30),
+                         description=f"registering a dataset with the dispatcher at {address}",
+                         deadline_s=connect_timeout_s())
+    except grpc.RpcError as error:
+        if (error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                and "larger than max" in (error.details() or "")):
+            raise ValueError(
+                f"the dataset definition is {definition.ByteSize()} bytes, more than the "
+                f"dispatcher at {address} accepts (DispatcherConfig.max_dataset_bytes, "
+                f"--max-dataset-bytes): {error.details()}") from None
+        raise
     return response.dataset_id
 
 
@@ -204,7 +215,10 @@ def register_dataset(service: Any, dataset: Pipeline, compression: str | None = 
     if dataset_id is not None and (not isinstance(dataset_id, str) or not dataset_id):
         raise ValueError(f"dataset_id must be a non-empty string or None, got {dataset_id!r}")
     definition = dataset_def(dataset, compression)
-    return register_definition(address, definition, dataset_id)
+    try:
+        return register_definition(address, definition, dataset_id)
+    except grpc.RpcError as error:  # a refusal (too big, too many, a dependency gone): why
+        raise rpc_error_to_exception(error, "registering a dataset") from None
 
 
 class ServiceSource:

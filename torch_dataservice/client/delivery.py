@@ -8,7 +8,9 @@ Workers tag each element with (split repetition, split index, offset). The reade
   - fences the tasks the dispatcher lists as lost (their worker may be a zombie): nothing
     more is accepted from them, and what it holds of them counts as acknowledged at once, so
     the fence and those acknowledgements reach the dispatcher in the same heartbeat;
-  - forgets the offsets of a split once the dispatcher says it is settled.
+  - forgets the offsets of a split once the dispatcher says it is settled;
+  - drops what it holds unacknowledged of the splits the dispatcher handed to the others
+    while it was declared silent (a paused process), and forgets those offsets.
 """
 
 from __future__ import annotations
@@ -68,6 +70,19 @@ class SplitReceived:
         self.below += 1
         self._absorb()
         return True
+
+    def forget(self, offsets: Iterable[int]) -> None:
+        """`offsets` were dropped before they were taken: they may be received again."""
+        offsets = set(offsets)
+        if not offsets:
+            return
+        low = min(offsets)
+        if low < self.below:
+            self.extra = set(range(low, self.below)) | (self.extra or set())
+            self.below = low
+        assert self.extra is not None
+        self.extra -= offsets
+        self._absorb()
 
     def settle(self, num_elements: int) -> None:
         """Every offset below `num_elements` was delivered (to this client or another)."""
@@ -146,6 +161,35 @@ class Delivery:
                             break
                         if tag is not None:
                             self._unreported.setdefault(tag[0], []).append(tag[1])
+
+    def drop_unacknowledged(self, keys: set[Key]) -> int:
+        """Drop the elements received and not taken of the splits `keys`, forgetting their
+        offsets; returns how many. The dispatcher declared this reader silent and handed those
+        splits to the job's other readers without its report. Called by the consumer's thread
+        between two takes, before the lost tasks are fenced (a fence counts what is held of
+        them as taken)."""
+        dropped = 0
+        with self._lock:
+            for batch in list(self._unacked):
+                if not any(tag is not None and tag[0] in keys for tag in batch.tags):
+                    continue
+                kept = [(payload, tag, split_tag) for payload, tag, split_tag
+                        in zip(batch.payloads, batch.tags, batch.split_tags, strict=True)
+                        if tag is None or tag[0] not in keys]
+                forgotten: dict[Key, list[int]] = {}
+                for tag in batch.tags:
+                    if tag is not None and tag[0] in keys:
+                        forgotten.setdefault(tag[0], []).append(tag[1])
+                for key, offsets in forgotten.items():
+                    received = self.seen.get(key)
+                    if received is not None:
+                        received.forget(offsets)
+                dropped += len(batch.payloads) - len(kept)
+                for queue, column in ((batch.payloads, 0), (batch.tags, 1),
+                                      (batch.split_tags, 2)):
+                    queue.clear()
+                    queue.extend(row[column] for row in kept)
+        return dropped
 
     def is_fenced(self, task_id: int) -> bool:
         return task_id in self._fenced

@@ -3,8 +3,10 @@
 The dispatcher is told the reader is alive every HEARTBEAT_INTERVAL_S, with what it
 acknowledged (client/delivery.py) and, for coordinated reads, where it is in the rounds
 (client/rounds.py); the reply lists the iteration's tasks, so workers may come and go
-mid-epoch. A reader released for silence (longer than job_gc_timeout_ms: a paused process)
-joins again under DYNAMIC, and otherwise fails with an error naming the setting.
+mid-epoch. A reader declared silent (longer than worker_timeout_ms) learns which splits were
+handed to the other readers meanwhile (`handed_again`: the consumer drops what it holds of
+them). A reader released for silence (longer than job_gc_timeout_ms: a paused process) joins
+again under DYNAMIC, and otherwise fails with ReaderReleasedError, naming the setting.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import grpc
 from torch_dataservice import version
 from torch_dataservice.client.delivery import Delivery
 from torch_dataservice.client.transports import task_groups
-from torch_dataservice.errors import is_retryable
+from torch_dataservice.errors import ReaderReleasedError, is_retryable
 from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc, status_pb2
 from torch_dataservice.rpc import channel_to, retry, rpc_error_to_exception
 from torch_dataservice.wire import inprocess
@@ -97,7 +99,12 @@ class Membership:
         self.skipped_tasks = False  # some tasks are not read here (LOCAL)
         self.fatal: BaseException | None = None
         self._heartbeat_lock = threading.Lock()
-        self._warned_silent = False
+        # When the last heartbeat the dispatcher answered was sent (time.monotonic()): after
+        # a pause, the reader asks before it yields more (IterationReader._after_pause).
+        self.answered_at = time.monotonic()
+        # Splits handed to the job's other readers while this one was declared silent (a
+        # paused process): the consumer drops what it holds of them before it yields more.
+        self.handed_again: set[tuple[int, int]] | None = None
 
     def fail(self, error: BaseException) -> None:
         with self.lock:
@@ -116,6 +123,7 @@ class Membership:
             self.heartbeat()
 
     def _beat(self) -> bool:
+        sent_at = time.monotonic()
         request = dispatcher_pb2.ClientHeartbeatRequest(client_id=self.client_id)
         if self.load is not None:
             request.load.CopyFrom(self.load())
@@ -136,20 +144,19 @@ class Membership:
             self.fail(rpc_error_to_exception(error, "client heartbeat"))
             return False
         self.down_since = None
-        if response.declared_silent and not self._warned_silent:
-            self._warned_silent = True
-            logger.warning(
-                "this reader (client %d of iteration %d) was silent for longer than the "
-                "dispatcher's worker_timeout_ms (its process paused or starved?) and was taken "
-                "for dead: what it had received and not yet acknowledged may also have been "
-                "handed to the job's other readers, so some elements may be delivered twice",
-                self.client_id, self.iteration_id)
-        if self._delivery and response.lost_task_ids:
+        if response.declared_silent and self._delivery:
+            keys = {(k.repetition, k.index) for k in response.handed_again}
+            with self.lock:
+                self.handed_again = (self.handed_again or set()) | keys
+        # Not while the consumer has yet to drop what was handed again: a fence would count
+        # what it holds of the lost tasks as taken (the next heartbeat fences).
+        if self._delivery and response.lost_task_ids and self.handed_again is None:
             self._delivery.fence(response.lost_task_ids)
         if self._delivery and response.settled:
             self._delivery.settle(response.settled)
         with self.lock:
             self._apply(response)
+            self.answered_at = max(self.answered_at, sent_at)
             self.lock.notify_all()
         return True
 
@@ -199,7 +206,7 @@ class Membership:
         released = (f"the dispatcher released this reader (client {self.client_id}): it did "
                     "not heartbeat for longer than job_gc_timeout_ms (a paused process?)")
         if self._delivery is None:
-            self.fail(RuntimeError(
+            self.fail(ReaderReleasedError(
                 f"{released}; its iteration cannot be resumed under this job's sharding "
                 "policy: start the dispatcher with a larger job_gc_timeout_ms "
                 "(--job-gc-timeout-ms)"))
@@ -211,7 +218,8 @@ class Membership:
                 timeout=JOIN_TIMEOUT_S)
         except grpc.RpcError as error:
             if not is_retryable(error):
-                self.fail(rpc_error_to_exception(error, f"{released}; joining again"))
+                self.fail(ReaderReleasedError(
+                    str(rpc_error_to_exception(error, f"{released}; joining again"))))
             return False
         logger.warning("%s; it joined iteration %d again as client %d", released,
                        iteration.iteration_id, iteration.client_id)

@@ -14,6 +14,13 @@ sharding (FILE, DATA, FILE_OR_DATA, HINT) and every worker otherwise; "ANY" read
 A worker in this process that runs its pipelines on threads (`num_processes=0`) hands its
 elements over as the objects its pipeline produced, not encoded (worker/local.py): the
 consumer shares them with the pipeline, as with torch's DataLoader and `num_workers=0`.
+
+Exactly-once DYNAMIC: an element is acknowledged when `__next__` returns it, and the
+acknowledgements ride on the next heartbeat. After a pause (no heartbeat answered for PAUSE_S)
+`__next__` asks the dispatcher before it returns more; declared silent meanwhile, the reader
+drops what it holds unacknowledged of the splits handed again to the job's other readers. So
+the one at-least-once window is what it returned in its last heartbeat interval before the
+pause, not yet reported.
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ UNKNOWN_TASK_BACKOFF_S = 0.02
 # (both notify), or a task's backoff is over: this is only a safety net.
 IDLE_WAIT_S = 0.5
 DEFAULT_MAX_OUTSTANDING = 4
+PAUSE_S = 5 * HEARTBEAT_INTERVAL_S  # no heartbeat answered for this long: a pause
 
 
 class IterationReader:
@@ -104,6 +112,7 @@ class IterationReader:
         self._results: queue.Queue[Batch] = queue.Queue()
         self._slots = threading.BoundedSemaphore(self._max_outstanding)
         self._current: Batch | None = None
+        self._pause_checked = 0.0  # the answered_at a pause was checked at (_after_pause)
         self._data_ports = DataPortPool()
         self._transports: dict[int, Transport] = {}  # chosen once per task
         self._fallback = transports.FALLBACK  # shared: later readers skip a blocked port
@@ -304,18 +313,23 @@ class IterationReader:
         return self
 
     def __next__(self) -> Any:
+        if self._delivery is not None:
+            self._after_pause()
         blocked = None  # since when this call waits for a batch (stats: seconds waiting)
         try:
             while True:
+                if self._m.handed_again is not None:
+                    self._drop_handed_again()
                 batch = self._current
                 if batch is not None:
                     if batch.payloads:
                         return self._take(batch)
+                    self._current = None
+                    self._slots.release()
                     if batch.error is not None:
-                        self._current = None
-                        self._slots.release()
                         self.close()
                         raise batch.error
+                    continue  # its elements were dropped (_drop_handed_again)
                 if blocked is None:
                     blocked = time.perf_counter()
                     self._figures.blocked_since = time.monotonic()  # a long wait is reported
@@ -335,6 +349,34 @@ class IterationReader:
         finally:
             if blocked is not None:
                 self._figures.waited(blocked)
+
+    def _after_pause(self) -> None:
+        """Exactly-once DYNAMIC: no heartbeat sent since PAUSE_S ago was answered (this
+        process was paused or starved): ask the dispatcher before yielding more, since it may
+        have declared this reader silent and handed what it holds to the job's other readers
+        (then `__next__` drops it: _drop_handed_again). Once per such gap: a dispatcher
+        that is down does not stall every element; none while the dispatcher is known to be
+        down (the gap is its, not a pause)."""
+        answered_at = self._m.answered_at
+        if (time.monotonic() - answered_at > PAUSE_S and answered_at != self._pause_checked
+                and self._m.down_since is None):
+            self._pause_checked = answered_at
+            self._m.heartbeat()
+
+    def _drop_handed_again(self) -> None:
+        """This reader was declared silent (paused past worker_timeout_ms) and the dispatcher
+        handed splits it holds elements of to the job's other readers: drop those, before
+        anything more is yielded (they come again to whoever reads those splits)."""
+        with self._m.lock:
+            keys, self._m.handed_again = self._m.handed_again, None
+        dropped = self._delivery.drop_unacknowledged(keys or set())  # type: ignore[union-attr]
+        logger.warning(
+            "this reader (client %d of iteration %d) was silent for longer than the "
+            "dispatcher's worker_timeout_ms (its process paused or starved?) and was taken "
+            "for dead: it dropped %d element(s) it held of the %d split(s) handed meanwhile to "
+            "the job's other readers; what it yielded in its last heartbeat interval before "
+            "the silence may also be delivered twice", self.client_id, self.iteration_id,
+            dropped, len(keys or ()))
 
     def _take(self, batch: Batch) -> Any:
         """The batch's next element, decoded (acknowledged under exactly-once)."""

@@ -28,6 +28,41 @@ WAIT_POLL_S = 0.05
 LOST = Batch()  # a fetch's answer when the task's worker was lost
 
 Fetch = Callable[[TaskState, int], "Batch | None"]  # one try at a task's round
+SKIPPED = -1  # Cursor.advance: the round falls on a lost task that leaves later
+LOOKAHEAD_ROUNDS = 1024  # how far a consumer looks for its next round on a lost task
+
+
+class Cursor:
+    """The task set a consumer reads at each round: removals and additions applied in
+    order, as every consumer applies them."""
+
+    def __init__(self, active: list[int], applied: int = 0,
+                 joined: set[int] | None = None) -> None:
+        self.active = active  # sorted task ids
+        self.applied = applied  # removals applied
+        self.joined = joined or set()  # tasks that joined at their starting round
+
+    def copy(self) -> Cursor:
+        return Cursor(list(self.active), self.applied, set(self.joined))
+
+    def advance(self, round_index: int, removals: list[tuple[int, frozenset[int]]],
+                additions: list[tuple[int, int]]) -> tuple[int | None, bool]:
+        """(the task of `round_index`, SKIPPED or None at the end; whether this round
+        applied a removal)."""
+        removed = self.applied < len(removals) and removals[self.applied][0] <= round_index
+        while self.applied < len(removals) and removals[self.applied][0] <= round_index:
+            self.active = [t for t in self.active if t not in removals[self.applied][1]]
+            self.applied += 1
+        new = [t for start, t in additions if start <= round_index and t not in self.joined]
+        if new:
+            self.joined.update(new)
+            self.active = sorted(self.active + new)
+        if not self.active:
+            return None, removed
+        task_id = self.active[round_index % len(self.active)]
+        if any(task_id in tasks for _, tasks in removals[self.applied:]):
+            return SKIPPED, removed
+        return task_id, removed
 
 
 class CoordinatedRounds:
@@ -49,6 +84,10 @@ class CoordinatedRounds:
         self._removals: list[tuple[int, frozenset[int]]] = []  # (round, task ids), in order
         self._blocked_round: int | None = None  # stopped at, on a lost task (or done)
         self._done = False  # read its last round (reported with _blocked_round)
+        # (round, removals seen): it stops at that round, on a lost task, until the next
+        # removal is decided (_promise_lost_round); reported as blocked there meanwhile.
+        self._promise: tuple[int, int] | None = None
+        self._looked_in_vain: tuple | None = None  # (_promise_lost_round)
         self._current_round = 0  # the round it reads or will read next
         self._ready_round: int | None = None  # a proposed addition round it waits at
         self._waiting_since: float | None = None
@@ -60,6 +99,8 @@ class CoordinatedRounds:
             request.blocked_round = self._blocked_round
             request.removals_seen = len(self._removals)
             request.consumer_done = self._done
+        elif self._promised() is not None:
+            request.blocked_round, request.removals_seen = self._promise  # type: ignore[misc]
         request.current_round = self._current_round
         if self._ready_round is not None:
             request.ready_round = self._ready_round
@@ -82,11 +123,11 @@ class CoordinatedRounds:
     # ------------------------------------------------------------------ the rounds thread
     def run(self) -> None:
         """Read rounds in order until the end, a failure or close."""
-        round_index, applied, active = 0, 0, None
-        joined: set[int] = set()  # tasks that joined at their starting round
+        round_index, cursor = 0, None
         while not self._m.closed.is_set():
-            if active is None:
-                active = self._initial_tasks()
+            if cursor is None:
+                initial = self._initial_tasks()
+                cursor = None if initial is None else Cursor(initial)
                 continue
             plan = self._plan(round_index)
             if plan is None:
@@ -94,28 +135,59 @@ class CoordinatedRounds:
                     return
                 continue  # waiting at a proposed round for the outcome
             removals, additions = plan
-            removed = applied < len(removals) and removals[applied][0] <= round_index
-            while applied < len(removals) and removals[applied][0] <= round_index:
-                active = [t for t in active if t not in removals[applied][1]]
-                applied += 1
-            new = [t for start, t in additions if start <= round_index and t not in joined]
-            if new:
-                joined.update(new)
-                active = sorted(active + new)
-            if not active:
+            task_id, removed = cursor.advance(round_index, removals, additions)
+            if task_id is None:
                 self._end(removed, round_index)
                 return
-            task_id = active[round_index % len(active)]
-            if any(task_id in tasks for _, tasks in removals[applied:]):
+            if task_id == SKIPPED:
                 round_index += 1  # the lost task's round: skipped by all who had not read it
                 continue
-            step = self._read(task_id, round_index, applied)
+            self._promise_lost_round(cursor, round_index, removals, additions)
+            promised = self._promised()
+            if promised is not None and round_index >= promised and task_id not in self._lost:
+                # Past the round it promised to stop at (the plan changed since: a task
+                # ended): wait there for the removal all consumers now agree on.
+                if not self._wait_for_next_removal(round_index, len(removals)):
+                    return
+                continue
+            step = self._read(task_id, round_index, cursor.applied)
             if step is None:
                 return
             if step == "ended":  # the same round goes to the next task, for everyone
-                active.remove(task_id)
+                cursor.active.remove(task_id)
             elif step == "read":
                 round_index += 1
+
+    def _promised(self) -> int | None:
+        """The round it promised to stop at, until a removal is decided after the promise."""
+        promise = self._promise
+        return promise[0] if promise is not None and promise[1] == len(self._removals) else None
+
+    def _promise_lost_round(self, cursor: Cursor, round_index: int, removals: list,
+                            additions: list) -> None:
+        """While a lost task awaits its removal, report now the first round this consumer
+        would stop at on it, and stop there whatever happens: the removal needs every
+        consumer stopped, and a consumer whose buffer is full (its application waits on
+        another consumer, as a reader that zips them does) would otherwise never get there."""
+        with self._m.lock:
+            removed = {t for _, tasks in removals for t in tasks}
+            pending = self._lost - removed
+            if not pending or self._promised() is not None:
+                return
+            # A lost task this consumer no longer reads (it ended here) is never reached: not
+            # looked for again until something changes.
+            looked = (len(removals), frozenset(pending), tuple(cursor.active), len(additions))
+            if looked == self._looked_in_vain:
+                return
+            ahead = cursor.copy()
+            for r in range(round_index, round_index + LOOKAHEAD_ROUNDS):
+                task_id, _ = ahead.advance(r, removals, additions)
+                if task_id is None:
+                    break
+                if task_id in pending:
+                    self._promise = (r, len(removals))
+                    return
+            self._looked_in_vain = looked
 
     def _initial_tasks(self) -> list[int] | None:
         with self._m.lock:
@@ -137,7 +209,9 @@ class CoordinatedRounds:
         finally:
             self._settle(None if batch is LOST else batch)
         if batch is LOST:
-            return "retry" if self._wait_for_removal(task_id, round_index, applied) else None
+            return "retry" if self._wait_for_removal(
+                round_index, lambda: any(task_id in tasks for _, tasks in self._removals[applied:]),
+                f"the worker of task {task_id}") else None
         if batch is None or batch.error is not None:
             return None  # closed or failed (fatal is set), or the error is queued
         return "read" if batch.payloads else "ended"
@@ -180,22 +254,28 @@ class CoordinatedRounds:
                                if s.info.starting_round > 0)
             return list(self._removals), additions
 
-    def _wait_for_removal(self, task_id: int, round_index: int, applied: int) -> bool:
+    def _wait_for_next_removal(self, round_index: int, seen: int) -> bool:
+        return self._wait_for_removal(round_index, lambda: len(self._removals) > seen,
+                                      "a lost worker")
+
+    def _wait_for_removal(self, round_index: int, decided: Callable[[], bool],
+                          lost: str) -> bool:
         """Stopped at `round_index` on a lost task: wait until the dispatcher decides when it
-        leaves (once every consumer is stopped on lost tasks). False if closed or failed."""
+        leaves (once every consumer is stopped on lost tasks), `decided()` with the lock held.
+        False if closed or failed."""
         deadline = time.monotonic() + self._timeout_s
         with self._m.lock:
             self._blocked_round = round_index
         try:
             self._m.heartbeat()  # report now rather than at the next beat
             with self._m.lock:
-                while not any(task_id in tasks for _, tasks in self._removals[applied:]):
+                while not decided():
                     if self._m.closed.is_set() or self._m.fatal is not None:
                         return False
                     if time.monotonic() > deadline:
                         self._m.fatal = RuntimeError(
-                            f"coordinated read of round {round_index}: the worker of task "
-                            f"{task_id} was lost, and within {self._timeout_s:.0f}s neither "
+                            f"coordinated read of round {round_index}: {lost} was lost, and "
+                            f"within {self._timeout_s:.0f}s neither "
                             "did every consumer of the job reach a lost worker's round (is "
                             "every consumer still reading?) nor did a worker take its place")
                         self._m.lock.notify_all()

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from torch_dataservice import auth
+from torch_dataservice import auth, fork_gate
 from torch_dataservice.client.data_port import DataPortPool, WorkerUnavailableError
 from torch_dataservice.proto import common_pb2, worker_pb2
 from torch_dataservice.rpc import WORKER_SERVICE_NAME, channel_to
@@ -127,15 +127,16 @@ class GrpcStream:
         self._address = address
 
     def fetch(self, request: worker_pb2.GetElementsRequest) -> tuple[Any, list]:
-        call: Any = channel_to(self._address).unary_stream(
-            f"/{WORKER_SERVICE_NAME}/StreamElements",
-            request_serializer=worker_pb2.GetElementsRequest.SerializeToString,
-        )(request, timeout=STREAM_TIMEOUT_S)
-        try:
-            return frame.assemble_frame(call)
-        except BaseException:
-            call.cancel()
-            raise
+        with fork_gate.held():  # the stream's whole read is one call
+            call: Any = channel_to(self._address).unary_stream(
+                f"/{WORKER_SERVICE_NAME}/StreamElements",
+                request_serializer=worker_pb2.GetElementsRequest.SerializeToString,
+            )(request, timeout=STREAM_TIMEOUT_S)
+            try:
+                return frame.assemble_frame(call)
+            except BaseException:
+                call.cancel()
+                raise
 
 
 def data_target(info: common_pb2.TaskInfo, target_workers: str) -> tuple | None:

@@ -2,7 +2,7 @@
 
 Workers silent for worker_timeout_ms are removed (their splits requeued); clients silent for
 job_gc_timeout_ms are released; iterations without clients for job_gc_timeout_ms are
-collected; an ephemeral dataset nobody reads any more is removed.
+collected; an ephemeral dataset nobody reads any more, or nobody read in time, is removed.
 """
 
 from __future__ import annotations
@@ -70,6 +70,18 @@ def collect(state: DispatcherState, iteration: Iteration) -> list[Update]:
     return [*splits.requeue(unfinished),
             Update(garbage_collect_iteration=dispatcher_pb2.GarbageCollectIteration(
                 iteration_id=iteration.iteration_id))]
+
+
+def expired_ephemerals(soft: SoftState, now: float, gc_timeout_s: float) -> list[str]:
+    """Ephemeral datasets whose registration was answered more than `gc_timeout_s` ago,
+    forgotten here: each is looked at once (unread_ephemeral), and one an iteration reads
+    goes when that iteration is collected. A registration no job ever read (junk, or a
+    registrant that died) does not stay for ever."""
+    expired = [d for d, answered in soft.ephemeral_reused.items()
+               if now - answered >= gc_timeout_s]
+    for dataset_id in expired:
+        del soft.ephemeral_reused[dataset_id]
+    return expired
 
 
 def unread_ephemeral(state: DispatcherState, soft: SoftState, dataset_id: str, now: float,

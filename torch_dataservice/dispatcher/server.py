@@ -18,6 +18,7 @@ from torch_dataservice.serving import BackgroundLoop, Health, advertised_host, s
 logger = logging.getLogger(__name__)
 
 DISPATCHER_SERVICE_NAME = "torch_dataservice.v1.DispatcherService"
+REQUEST_OVERHEAD_BYTES = 1 << 20
 
 
 def _open_journal(config: DispatcherConfig) -> Journal:
@@ -85,8 +86,11 @@ class DispatchServer:
             dispatcher_pb2_grpc.add_DispatcherServiceServicer_to_server(self._service, server)
             health.register(server)
 
-        self._server, self._port = start_grpc_server(register, self._config.host,
-                                                     self._config.port, tls=self._config.tls)
+        # Requests beyond a dataset definition's limit (plus room for the rest of the
+        # request) are refused by gRPC before they are buffered whole.
+        self._server, self._port = start_grpc_server(
+            register, self._config.host, self._config.port, tls=self._config.tls,
+            max_receive_bytes=self._config.max_dataset_bytes + REQUEST_OVERHEAD_BYTES)
         health.set_serving(True)  # the journal is replayed: requests see the whole state
         interval = min(self._config.effective_job_gc_check_interval_ms,
                        self._config.effective_worker_timeout_ms // 4 or 1) / 1000

@@ -81,6 +81,10 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                 continue
             self._journal.append(update)  # durable before any reply: see observe.durable
             self._state.apply(update)
+            if update.WhichOneof("kind") == "requeue_split":
+                requeue = update.requeue_split
+                self._soft.note_requeued(self._state.iterations[requeue.iteration_id],
+                                         (requeue.split.repetition, requeue.split.index))
         self._journal.maybe_compact(self._state)
 
     # ------------------------------------------------------------------ datasets
@@ -99,8 +103,13 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                     return dispatcher_pb2.GetOrRegisterDatasetResponse(dataset_id=existing)
                 dataset_id = self._state.free_dataset_id()
             if dataset_id not in self._state.datasets:
+                validation.check_dataset_limits(self._state, definition,
+                                                self._config.max_dataset_bytes,
+                                                self._config.max_datasets)
                 self._apply(Update(register_dataset=dispatcher_pb2.RegisterDataset(
                     dataset_id=dataset_id, dataset=definition)))
+                if definition.ephemeral:  # removed if no job reads it in time (liveness)
+                    self._soft.ephemeral_reused[dataset_id] = self._clock()
             return dispatcher_pb2.GetOrRegisterDatasetResponse(dataset_id=dataset_id)
 
     @servicer_method
@@ -169,6 +178,10 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             recovery.check_client(self._state, self._soft, self._journal.recovered_from,
                                   request.client_id)
             iteration = self._state.iteration_of_client(request.client_id)
+            if coordinated.is_coordinated(self._state, iteration):
+                validation.check_consumer(request, self._state.job(iteration.job_id).config)
+            handed_again = self._soft.back_from_silence(
+                request.client_id, iteration, self._clock(), self._worker_timeout_s)
             self._record_delivered(iteration, request)
             self._soft.client_fenced[request.client_id] = frozenset(request.fenced_tasks)
             added: list[Update] = []
@@ -179,7 +192,10 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             reply = tasks.client_reply(self._state, iteration,
                                        self._soft.take_settled(iteration, request.client_id),
                                        self._soft.proposals.get(iteration.iteration_id), held)
-            reply.declared_silent = request.client_id in self._soft.silent_clients
+            if handed_again is not None:
+                reply.declared_silent = True
+                for repetition, index in sorted(handed_again):
+                    reply.handed_again.add(repetition=repetition, index=index)
             pushes = self._effects.pushes(added)
         self._pusher.push(pushes)
         return reply
@@ -244,6 +260,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                 return dispatcher_pb2.WorkerHeartbeatResponse()
             if worker is None:
                 validation.check_worker(request)
+                validation.check_worker_limit(self._state, self._config.max_workers)
                 index = validation.worker_index(address, self._config.worker_addresses or ())
                 self._apply(Update(register_worker=dispatcher_pb2.RegisterWorker(
                     worker_address=address, worker_uid=request.worker_uid, worker_index=index,
@@ -347,7 +364,8 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
 
     # ------------------------------------------------------------------ liveness
     def check_liveness(self) -> None:
-        """Declare silent workers dead, release silent clients, collect idle iterations."""
+        """Declare silent workers dead, release silent clients, collect idle iterations and
+        ephemeral datasets no job read in time."""
         now = self._clock()
         pushes: list[Push] = []
         with self._lock:
@@ -375,5 +393,12 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                             iteration.iteration_id,
                             now - self._soft.iteration_idle_since[iteration.iteration_id])
                 self._effects.collect(iteration, now)
+            for dataset_id in liveness.expired_ephemerals(self._soft, now, self._gc_timeout_s):
+                removal = liveness.unread_ephemeral(self._state, self._soft, dataset_id, now,
+                                                    self._gc_timeout_s)
+                if removal is not None:
+                    logger.info("ephemeral dataset %s was not read within %.0fs: removed",
+                                dataset_id, self._gc_timeout_s)
+                    self._apply(removal)
         self._journal.sync()
         self._pusher.push(pushes)

@@ -34,6 +34,9 @@ class SoftState:
     # the iterations that had one: what they did not acknowledge goes to the other clients.
     silent_clients: set[int] = field(default_factory=set)
     iterations_with_silent_clients: set[int] = field(default_factory=set)
+    # ... and per client, the splits requeued since its last heartbeat: handed to the others
+    # without its report if it was silent, so it drops what it holds of them when it is back.
+    requeued_since_heartbeat: dict[int, set[tuple[int, int]]] = field(default_factory=dict)
     # ... and since when a finished iteration's clients wait for its splits to settle before
     # they are told it finished (dispatcher/splits.py end_held).
     end_unsettled_since: dict[int, float] = field(default_factory=dict)
@@ -51,7 +54,7 @@ class SoftState:
     rounds: dict[int, dict[int, int]] = field(default_factory=dict)
     proposals: dict[int, Any] = field(default_factory=dict)
     # Ephemeral datasets a registration was just answered with: kept for a job_gc_timeout_ms,
-    # so the registrant's job finds them.
+    # so the registrant's job finds them; then removed unless an iteration reads them.
     ephemeral_reused: dict[str, float] = field(default_factory=dict)
     # Clients whose iteration a journal recovery dropped.
     dropped_clients: set[int] = field(default_factory=set)
@@ -66,6 +69,8 @@ class SoftState:
                                   if not it.garbage_collected and not it.client_ids},
             requeued_at=requeued_at,
             requeued_time=dict.fromkeys(requeued_at, now),
+            ephemeral_reused={d: now for d, dataset in state.datasets.items()
+                              if dataset.definition.ephemeral},
         )
 
     # ------------------------------------------------------------------ bookkeeping
@@ -86,12 +91,32 @@ class SoftState:
         self.silent_clients.add(client_id)
         self.iterations_with_silent_clients.add(iteration_id)
 
+    def note_requeued(self, iteration: Iteration, key: tuple[int, int]) -> None:
+        for client_id in iteration.client_ids:
+            self.requeued_since_heartbeat.setdefault(client_id, set()).add(key)
+
+    def back_from_silence(self, client_id: int, iteration: Iteration, now: float,
+                          timeout_s: float) -> set[tuple[int, int]] | None:
+        """A client heartbeats (before note_heartbeat): if it was silent for longer than
+        `timeout_s` (declared so, or not yet checked), the splits requeued meanwhile, and its
+        iteration no longer waits for its silent clients' holdings at the end (it keeps what
+        was not requeued, and acknowledges it as it takes it). None if it was not silent."""
+        requeued = self.requeued_since_heartbeat.pop(client_id, set())
+        seen = self.client_seen.get(client_id, now)
+        if client_id not in self.silent_clients and now - seen <= timeout_s:
+            return None
+        self.silent_clients.discard(client_id)
+        if not any(c in self.silent_clients for c in iteration.client_ids):
+            self.iterations_with_silent_clients.discard(iteration.iteration_id)
+        return requeued
+
     def forget_client(self, client_id: int, iteration: Iteration, now: float) -> None:
         """A client left `iteration` (already applied to the state)."""
         self.client_seen.pop(client_id, None)
         self.client_heartbeat.pop(client_id, None)
         self.client_fenced.pop(client_id, None)
         self.silent_clients.discard(client_id)
+        self.requeued_since_heartbeat.pop(client_id, None)
         self.settled_sent.pop(client_id, None)
         if not iteration.client_ids:
             self.settled.pop(iteration.iteration_id, None)

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from torch_dataservice import version
 from torch_dataservice.dispatcher import resume
 from torch_dataservice.dispatcher.state import DispatcherState
-from torch_dataservice.errors import VersionMismatchError
-from torch_dataservice.policies import ShardingPolicy, policy_name
+from torch_dataservice.errors import FailedPreconditionError, VersionMismatchError
+from torch_dataservice.policies import TARGET_WORKERS, ShardingPolicy, policy_name
 from torch_dataservice.proto import common_pb2, dispatcher_pb2
 
 
@@ -27,12 +27,57 @@ def check_dependencies(state: DispatcherState, definition: common_pb2.DatasetDef
                               "is not registered")
 
 
+# Coordinated reads keep per-consumer state and compare consumer sets at every heartbeat: a
+# bound keeps one request from asking for billions (found by fuzzing: 2**31 - 1 consumers
+# made a heartbeat build a set of that size, and the dispatcher was killed for its memory).
+MAX_CONSUMERS = 1 << 16
+
+
+def check_consumer(request: dispatcher_pb2.ClientHeartbeatRequest,
+                   config: common_pb2.JobConfig) -> None:
+    """A coordinated reader's consumer index is one of its job's."""
+    if not 0 <= request.consumer_index < config.num_consumers:
+        raise ValueError(f"consumer_index={request.consumer_index} is out of range "
+                         f"[0, {config.num_consumers}) of this job")
+
+
+def check_dataset_limits(state: DispatcherState, definition: common_pb2.DatasetDef,
+                         max_bytes: int, max_datasets: int) -> None:
+    """A new registration fits the dispatcher's limits (DispatcherConfig.max_dataset_bytes,
+    max_datasets): ValueError / FailedPreconditionError naming the limit and its flag."""
+    size = definition.ByteSize()
+    if size > max_bytes:
+        raise ValueError(f"the dataset definition is {size} bytes, more than the dispatcher "
+                         f"accepts ({max_bytes}: DispatcherConfig.max_dataset_bytes, "
+                         "--max-dataset-bytes); keep large data out of the pipeline (read it "
+                         "from files inside it) or raise the limit")
+    if len(state.datasets) >= max_datasets:
+        raise FailedPreconditionError(
+            f"the dispatcher holds {len(state.datasets)} datasets, its limit "
+            f"(DispatcherConfig.max_datasets, --max-datasets): raise it, or reuse datasets "
+            "(the same pipeline registered again gets the same id)")
+
+
+def check_worker_limit(state: DispatcherState, max_workers: int) -> None:
+    """A new worker fits DispatcherConfig.max_workers (FailedPreconditionError otherwise)."""
+    if len(state.workers) >= max_workers:
+        raise FailedPreconditionError(
+            f"the dispatcher holds {len(state.workers)} workers, its limit "
+            f"(DispatcherConfig.max_workers, --max-workers)")
+
+
 def validate_job(config: common_pb2.JobConfig, dataset: common_pb2.DatasetDef,
                  worker_addresses: Sequence[str]) -> None:
     policy = config.sharding_policy
     if policy not in ShardingPolicy.__members__.values():
         raise ValueError(f"unknown sharding policy {policy}")
     policy = ShardingPolicy(policy)
+    if config.target_workers and config.target_workers not in TARGET_WORKERS:  # "": AUTO
+        raise ValueError(f"target_workers must be one of {TARGET_WORKERS}, "
+                         f"got {config.target_workers[:100]!r}")
+    if config.HasField("num_consumers") and not 0 < config.num_consumers <= MAX_CONSUMERS:
+        raise ValueError(f"num_consumers={config.num_consumers} is out of range "
+                         f"[1, {MAX_CONSUMERS}]")
     if dataset.shared_object:
         raise ValueError(f"dataset {config.dataset_id} is a shared object for other "
                          "pipelines to refer to, not a pipeline to read")

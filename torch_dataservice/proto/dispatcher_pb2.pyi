@@ -105,7 +105,7 @@ class ReceivedSplit(_message.Message):
     def __init__(self, task_id: _Optional[int] = ..., split: _Optional[_Union[_common_pb2.SplitKey, _Mapping]] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ClientHeartbeatResponse(_message.Message):
-    __slots__ = ("tasks", "iteration_finished", "error", "settled", "removals", "lost_task_ids", "addition_round", "declared_silent")
+    __slots__ = ("tasks", "iteration_finished", "error", "settled", "removals", "lost_task_ids", "addition_round", "declared_silent", "handed_again")
     TASKS_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FINISHED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class ClientHeartbeatResponse(_message.Message):
     LOST_TASK_IDS_FIELD_NUMBER: _ClassVar[int]
     ADDITION_ROUND_FIELD_NUMBER: _ClassVar[int]
     DECLARED_SILENT_FIELD_NUMBER: _ClassVar[int]
+    HANDED_AGAIN_FIELD_NUMBER: _ClassVar[int]
     tasks: _containers.RepeatedCompositeFieldContainer[_common_pb2.TaskInfo]
     iteration_finished: bool
     error: str
@@ -122,7 +123,8 @@ class ClientHeartbeatResponse(_message.Message):
     lost_task_ids: _containers.RepeatedScalarFieldContainer[int]
     addition_round: int
     declared_silent: bool
-    def __init__(self, tasks: _Optional[_Iterable[_Union[_common_pb2.TaskInfo, _Mapping]]] = ..., iteration_finished: _Optional[bool] = ..., error: _Optional[str] = ..., settled: _Optional[_Iterable[_Union[SettledSplit, _Mapping]]] = ..., removals: _Optional[_Iterable[_Union[_common_pb2.RemovedTasks, _Mapping]]] = ..., lost_task_ids: _Optional[_Iterable[int]] = ..., addition_round: _Optional[int] = ..., declared_silent: _Optional[bool] = ...) -> None: ...
+    handed_again: _containers.RepeatedCompositeFieldContainer[_common_pb2.SplitKey]
+    def __init__(self, tasks: _Optional[_Iterable[_Union[_common_pb2.TaskInfo, _Mapping]]] = ..., iteration_finished: _Optional[bool] = ..., error: _Optional[str] = ..., settled: _Optional[_Iterable[_Union[SettledSplit, _Mapping]]] = ..., removals: _Optional[_Iterable[_Union[_common_pb2.RemovedTasks, _Mapping]]] = ..., lost_task_ids: _Optional[_Iterable[int]] = ..., addition_round: _Optional[int] = ..., declared_silent: _Optional[bool] = ..., handed_again: _Optional[_Iterable[_Union[_common_pb2.SplitKey, _Mapping]]] = ...) -> None: ...
 
 class SettledSplit(_message.Message):
     __slots__ = ("split", "num_elements")

@@ -60,6 +60,7 @@ from torch_dataservice.torch.loader_iter import (
     read_positions,
     read_shards,
     reading_from,
+    reading_positions,
 )
 from torch_dataservice.torch.loader_stats import record_even_batches
 from torch_dataservice.torch.registration import Registrar
@@ -187,7 +188,13 @@ class DataLoader(torch.utils.data.DataLoader):
         self._tds_progress: Progress | None = None
         self._tds_epoch: Epoch | None = None  # the latest iter()'s
         self._tds_stats = ClientStats(rank=self._tds_ranks.rank)  # see stats()
-        self.check_worker_number_rationality()  # torch's warning, as its __init__ gives it
+        self._tds_check_workers()  # torch's warning, as its __init__ gives it
+
+    def _tds_check_workers(self) -> None:
+        """torch's warning that `num_workers` exceeds this machine's cores, where the service's
+        executors share them (the embedded service); a remote service's do not."""
+        if self._tds_registrar.embedded:
+            self.check_worker_number_rationality()
 
     def stats(self) -> dict[str, Any]:
         """What this loader took and waited for, over its life: batches, elements and bytes
@@ -231,7 +238,7 @@ class DataLoader(torch.utils.data.DataLoader):
     # ------------------------------------------------------------------------ iteration
 
     def __iter__(self) -> LoaderIterator:
-        self.check_worker_number_rationality()  # torch warns at every iter() too
+        self._tds_check_workers()  # torch warns at every iter() too
         epoch = self._tds_epochs.begin(self, self._tds_iterable)
         self._tds_epoch = epoch
         stats = self._tds_stats
@@ -286,15 +293,17 @@ class DataLoader(torch.utils.data.DataLoader):
         items = [(p, b) for p, b in enumerate(batches) if p not in progress.positions]
         if not items:
             return lambda emit, sources: None
-        registrar = self._tds_registrar
-        reader = registrar.read_epoch(epoch.number, items, self._tds_seeds(epoch), ref, fetch)
+        registrar, seeds = self._tds_registrar, self._tds_seeds(epoch)
+        reader = registrar.read_epoch(epoch.number, items, seeds, ref, fetch)
+        # Released after a stall (job_gc_timeout_ms), the rest is registered again; not under
+        # a job_name, whose job other loaders share.
+        register = None if registrar.job_name is not None else (
+            lambda left: registrar.read_epoch(epoch.number, left, seeds, ref, fetch))
         if (self.in_order and registrar.policy == ShardingPolicy.DYNAMIC
                 and registrar.job_name is None):
-            expected = [p for p, _ in items]
-            return reading_from(lambda: iter(reader),
-                                lambda source, emit: read_positions(source, emit, expected))
-        return reading_from(lambda: iter(reader),
-                            lambda source, emit: read_arrivals(source, emit, 0, True, False))
+            return reading_positions(reader, items, register, read_positions)
+        return reading_positions(reader, items, register, lambda source, emit, _: read_arrivals(
+            source, emit, 0, True, False))
 
     def _tds_read_iterable(self, epoch: Epoch) -> Reading:
         """Register an iterable epoch (num_workers shards, or a Pipeline as it is) and read it,

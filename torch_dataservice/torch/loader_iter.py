@@ -16,6 +16,7 @@ Three readers, one per way an epoch's elements arrive:
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -26,10 +27,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch_dataservice.errors import ReaderReleasedError
 from torch_dataservice.observability.client import ClientStats, collecting
 from torch_dataservice.serving import close_and_join
 from torch_dataservice.torch.fetch import BatchError
 from torch_dataservice.torch.shards import ShardEnd
+
+logger = logging.getLogger(__name__)
 
 _POLL_S = 0.1
 
@@ -279,6 +283,42 @@ def reading_from(open_source: Callable[[], Iterator[Any]],
             close = getattr(source, "close", None)
             if close is not None:
                 close()
+
+    return run
+
+
+def reading_positions(reader: Any, items: list[tuple[int, Any]],
+                      register: Callable[[list[tuple[int, Any]]], Any] | None,
+                      read: Callable[[Iterator[Any], Emit, list[int]], None]) -> Reading:
+    """A map-style epoch's reading: `read(source, emit, positions)` from `reader`, which reads
+    `items` (position, index batch). If the dispatcher released the reader (this process did
+    not heartbeat for longer than job_gc_timeout_ms: a step holding the GIL) and the epoch's
+    dataset went with its iteration, the items not emitted yet are registered again with
+    `register` (as a resumed loader registers what it had not yielded), and reading goes on."""
+
+    def run(emit: Emit, sources: list) -> None:
+        emitted: set[int] = set()
+
+        def tracked(position: Any, batch: Any) -> None:
+            emitted.add(position)
+            emit(position, batch)
+
+        def read_all(reader: Any, positions: list[int]) -> None:
+            reading_from(lambda: iter(reader), lambda source, out: read(
+                source, out, positions))(tracked, sources)
+
+        current, left = reader, items
+        while True:
+            try:
+                read_all(current, [p for p, _ in left])
+                return
+            except ReaderReleasedError as error:
+                left = [(p, b) for p, b in left if p not in emitted]
+                if register is None or not left:
+                    raise
+                logger.warning("%s: the %d batch(es) of this epoch not yielded yet are "
+                               "registered again, and the epoch goes on", error, len(left))
+                current = register(left)
 
     return run
 

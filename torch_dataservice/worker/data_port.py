@@ -19,6 +19,13 @@ constant time), as every gRPC call must (auth.py); the port binds the worker's h
 requires a client certificate given a CA, as gRPC does), so the token and the elements travel
 encrypted; without it the token travels in clear, as over plain gRPC. The Unix socket stays
 plain: it never leaves the host, and its directory is the worker user's alone.
+
+Bounds: what a peer that never authenticates can hold is capped. A connection must finish
+its handshake (TLS, then the token) within `HANDSHAKE_DEADLINE_S` in all, or it is cut; at
+most `MAX_HANDSHAKING` connections may be in their handshake at once, and at most
+`max_connections` (WorkerConfig.data_port_max_connections) open in all. A connection beyond
+either is closed as it is accepted, with no thread started for it, and logged once a minute
+per peer with a count (peers.PeerLog).
 """
 
 from __future__ import annotations
@@ -31,11 +38,13 @@ import socket
 import ssl
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from torch_dataservice import auth
 from torch_dataservice.config import TLSConfig
+from torch_dataservice.peers import PeerLog, peer_host
 from torch_dataservice.proto import worker_pb2
 from torch_dataservice.wire.data_port import (
     ACCEPTED,
@@ -59,7 +68,9 @@ DIR_PREFIX = "tds-worker-"  # + pid + "-" + random: a private directory for the 
 
 MAX_REQUEST_BYTES = 1 << 20
 
-HANDSHAKE_TIMEOUT_S = 10.0
+HANDSHAKE_DEADLINE_S = 5.0  # from accept to an accepted token, TLS included
+MAX_HANDSHAKING = 128  # connections in their handshake at once (legitimate ones take ms)
+REAP_EVERY_S = 0.5  # how often the accept loops cut handshakes past their deadline
 STOP_GRACE_S = 0.5  # replies under way when the worker stops may finish (as gRPC's grace)
 SEND_TIMEOUT_S = 60.0  # a reader that stops reading mid-reply loses its connection
 
@@ -88,7 +99,7 @@ class DataPort:
 
     def __init__(self, fetch: Callable[[worker_pb2.GetElementsRequest], tuple[Any, list]],
                  ready: Callable[[], bool], host: str, *, port: int = 0,
-                 tls: TLSConfig | None = None) -> None:
+                 tls: TLSConfig | None = None, max_connections: int = 1024) -> None:
         self._fetch = fetch
         self._tls_config = tls
         self._tls = auth.server_ssl_context(tls) if tls is not None else None
@@ -99,6 +110,12 @@ class DataPort:
         self._lock = threading.Condition()
         self._listeners: list[socket.socket] = []
         self._connections: set[socket.socket] = set()
+        self._max_connections = max_connections
+        # Connections still in their handshake: (peer host, deadline).
+        self._handshaking: dict[socket.socket, tuple[str, float]] = {}
+        self._refused = PeerLog(logger, "refused a data-port connection")
+        self._cut = PeerLog(logger, "cut a data-port connection that did not complete its "
+                                    f"handshake within {HANDSHAKE_DEADLINE_S:.0f}s")
         self._threads: list[threading.Thread] = []
         self._dir = ""
         self._stopped = False
@@ -154,27 +171,65 @@ class DataPort:
             self._dir = ""
 
     def _accept_loop(self, listener: socket.socket) -> None:
+        listener.settimeout(REAP_EVERY_S)
         while True:
             try:
-                conn, _ = listener.accept()
+                conn, address = listener.accept()
+            except TimeoutError:
+                self._reap()
+                continue
             except OSError:
                 return  # closed by stop()
+            host = peer_host(address[0]) if isinstance(address, tuple) else "this host (Unix)"
             with self._lock:
                 if self._stopped:
                     conn.close()
                     return
-                self._connections.add(conn)
+                full = self._full()
+                if full is None:
+                    self._connections.add(conn)
+                    self._handshaking[conn] = (host, time.monotonic() + HANDSHAKE_DEADLINE_S)
+            if full is not None:
+                conn.close()  # no thread for it
+                self._refused.note(host, full)
+                continue
             threading.Thread(target=self._serve, args=(conn,), name="data-port-conn",
                              daemon=True).start()
+            self._reap()
+
+    def _full(self) -> str | None:
+        """Why a new connection is refused now (None: it is not). Called with the lock."""
+        if len(self._connections) >= self._max_connections:
+            return (f"{len(self._connections)} connections open, the limit "
+                    "(WorkerConfig.data_port_max_connections, --data-port-max-connections)")
+        if len(self._handshaking) >= MAX_HANDSHAKING:
+            return f"{len(self._handshaking)} connections in their handshake already"
+        return None
+
+    def _reap(self) -> None:
+        """Cut connections whose handshake is past its deadline (their recv then ends)."""
+        now = time.monotonic()
+        with self._lock:
+            late = [(conn, host) for conn, (host, deadline) in self._handshaking.items()
+                    if deadline < now]
+            for conn, _ in late:
+                del self._handshaking[conn]
+        for conn, host in late:
+            _shutdown(conn, socket.SHUT_RDWR)
+            self._cut.note(host, "idle or too slow")
 
     def _serve(self, conn: socket.socket) -> None:
         try:
             if conn.family != socket.AF_UNIX:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(HANDSHAKE_TIMEOUT_S)
+            # A backstop: the accept loops cut handshakes past their deadline (_reap).
+            conn.settimeout(HANDSHAKE_DEADLINE_S + 4 * REAP_EVERY_S)
             if self._tls is not None and conn.family != socket.AF_UNIX:
                 conn = self._wrap(conn)
-            if not self._handshake(conn):
+            accepted = self._handshake(conn)
+            with self._lock:
+                self._handshaking.pop(conn, None)
+            if not accepted:
                 return
             while True:
                 conn.settimeout(None)  # idle between requests; stop() shuts it down
@@ -195,6 +250,7 @@ class DataPort:
         finally:
             with self._lock:
                 self._connections.discard(conn)
+                self._handshaking.pop(conn, None)
                 self._lock.notify_all()
             conn.close()
 
@@ -206,12 +262,16 @@ class DataPort:
         with self._lock:
             self._connections.discard(conn)
             self._connections.add(wrapped)
+            pending = self._handshaking.pop(conn, None)
+            if pending is not None:  # else: cut already, and do_handshake fails at once
+                self._handshaking[wrapped] = pending
         try:
             wrapped.do_handshake()
         except BaseException as error:
-            logger.warning("data port: refused a TLS connection: %s", error)
+            self._refused.note(pending[0] if pending else "?", f"TLS handshake: {error}")
             with self._lock:
                 self._connections.discard(wrapped)
+                self._handshaking.pop(wrapped, None)
             wrapped.close()
             raise
         return wrapped
@@ -222,7 +282,8 @@ class DataPort:
             return False
         given = recv_exactly(conn, length)
         if self._token and not hmac.compare_digest(given, self._token):
-            logger.warning("data port: refused a connection with a missing or wrong token")
+            host = self._handshaking.get(conn, ("?", 0.0))[0]
+            self._refused.note(host, "a missing or wrong token")
             conn.sendall(REFUSED)
             return False
         conn.sendall(ACCEPTED)

@@ -21,6 +21,10 @@ front's at its first worker. Executors draw fresh numpy random numbers (a fork w
 copy the fork server's global generator into every executor; Python's `random` reseeds itself).
 The fork server stays for the front's next worker; it exits when the front does.
 
+It forks one other kind of process (`start_process`): a training script's embedded service
+(torch/embedded.py), which runs gRPC servers out of the script's process and forks a fork
+server of its own, before it starts them, for its worker's executors.
+
 A process that has imported all of that, runs one thread and has started no gRPC server or
 channel yet (the `torch-dataservice worker` command, before it builds its server; a training
 script when its first embedded DataLoader is built) starts its fork server as a fork of
@@ -39,6 +43,8 @@ fallback where fork or pidfds are missing): the way to tell whether a problem co
 from __future__ import annotations
 
 import gc
+import importlib
+import json
 import os
 import pickle
 import select
@@ -52,6 +58,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Protocol
 
 from torch_dataservice import rpc
@@ -68,13 +75,17 @@ ORPHAN_GRACE_S = 10.0
 _HEADER = struct.Struct("!I")  # request length, sent with the request's file descriptors
 _REPLY = struct.Struct("!i")  # the executor's pid (0: the fork failed), sent with its pidfd
 
+# What an executor process runs, as `run_main` runs any: `main(Connection(conn_fd), **kwargs)`.
+EXECUTOR_MAIN = "torch_dataservice.worker.executor_process:executor_main"
+
 _INTERPRETER_BOOT = (
     "import sys\n"
     # The parent's import path (as multiprocessing's spawn does): its modules import here too.
-    "sys.path[:0] = sys.argv[3:]\n"
+    "sys.path[:0] = sys.argv[4:]\n"
+    "import json\n"
     "from multiprocessing.connection import Connection\n"
-    "from torch_dataservice.worker.executor_process import executor_main\n"
-    "executor_main(Connection(int(sys.argv[1])), torch_threads=int(sys.argv[2]) or None)\n"
+    "from torch_dataservice.worker.launch import run_main\n"
+    "run_main(Connection(int(sys.argv[1])), sys.argv[2], json.loads(sys.argv[3]))\n"
     # Skip interpreter teardown: with torch loaded it takes seconds, and a worker waits for it.
     "sys.stdout.flush(); sys.stderr.flush()\n"
     "import os; os._exit(0)\n"
@@ -110,7 +121,7 @@ def start_method() -> str:
     return wanted
 
 
-def start_fork_server_here(after_torch_ops: bool = False) -> bool:
+def start_fork_server_here(after_torch_ops: bool = False, inherited_pool: bool = False) -> bool:
     """Fork this process's fork server from this process, now (module docstring), if no other
     thread of ours or gRPC's runs: call it before this process starts any gRPC server or
     channel. Where one may run nothing happens and the fork server is exec'd later, as in any
@@ -119,12 +130,15 @@ def start_fork_server_here(after_torch_ops: bool = False) -> bool:
     another library's gRPC while they run (they have names; the BLAS and OpenMP pools of
     numpy and torch do not). A process that initialized CUDA is not forked either.
     `after_torch_ops`: this process may have run torch ops (a training script), so torch's
-    OpenMP pool may be among its threads (see start_executor). True if it forked it."""
+    OpenMP pool may be among its threads (see start_executor); `inherited_pool`: this process
+    is a fork of one whose fork server was (it may carry that pool's state, not its threads).
+    True if it forked it."""
     if (start_method() != FORKSERVER or threading.active_count() > 1
             or threading.current_thread() is not threading.main_thread()
             or rpc.grpc_started() or _named_threads() or _cuda_initialized()):
         return False
-    shared_fork_server().boot_here(threaded=after_torch_ops and _native_threads() > 1)
+    shared_fork_server().boot_here(
+        threaded=inherited_pool or (after_torch_ops and _native_threads() > 1))
     return True
 
 
@@ -160,23 +174,38 @@ def _cuda_initialized() -> bool:
 
 def start_executor(conn_fd: int, torch_threads: int | None) -> ExecutorProcess:
     """Start an executor process serving the connection `conn_fd` (the caller closes it)."""
-    server = shared_fork_server()
     # A fork server forked from a process with threads may carry torch's OpenMP pool: its
     # forks hang in a parallel op on more than one thread (one is safe, as for torch's own
     # forked DataLoader workers).
-    if start_method() == INTERPRETER or (torch_threads != 1 and server.forked_with_threads):
-        return InterpreterProcess(conn_fd, torch_threads)
-    return server.fork(conn_fd, torch_threads)
+    fresh = torch_threads != 1 and shared_fork_server().forked_with_threads
+    return start_process(conn_fd, EXECUTOR_MAIN, {"torch_threads": torch_threads}, fresh=fresh)
+
+
+def start_process(conn_fd: int, main: str, kwargs: dict, *, fresh: bool = False
+                  ) -> ExecutorProcess:
+    """Start a process running `main` ("module:function") as
+    `function(Connection(conn_fd), **kwargs)` (JSON-able kwargs), forked from the fork
+    server, or as a fresh interpreter (`fresh`, or the start method says so): an executor,
+    or the embedded service (torch/embedded.py). The caller closes `conn_fd`."""
+    if fresh or start_method() == INTERPRETER:
+        return InterpreterProcess(conn_fd, main, kwargs)
+    return shared_fork_server().fork(conn_fd, main, kwargs)
+
+
+def run_main(conn: Connection, main: str, kwargs: dict) -> None:
+    """In a started process: `main(conn, **kwargs)`."""
+    module, _, name = main.partition(":")
+    getattr(importlib.import_module(module), name)(conn, **kwargs)
 
 
 # ====================================================================== fresh interpreters
 class InterpreterProcess:
-    """An executor as a fresh interpreter (`python -c`): the start method before the fork
+    """A process as a fresh interpreter (`python -c`): the start method before the fork
     server, kept as the fallback."""
 
-    def __init__(self, conn_fd: int, torch_threads: int | None) -> None:
+    def __init__(self, conn_fd: int, main: str, kwargs: dict) -> None:
         self._popen = subprocess.Popen(
-            [sys.executable, "-c", _INTERPRETER_BOOT, str(conn_fd), str(torch_threads or 0),
+            [sys.executable, "-c", _INTERPRETER_BOOT, str(conn_fd), main, json.dumps(kwargs),
              *sys.path],
             pass_fds=(conn_fd,), stdin=subprocess.DEVNULL)
         self.pid = self._popen.pid
@@ -195,9 +224,11 @@ class InterpreterProcess:
 # ====================================================================== the fork server
 @dataclass
 class _Request:
-    """Sent with each fork: what a subprocess would inherit from the front at that moment."""
+    """Sent with each fork: what the child runs (`run_main`), and what a subprocess would
+    inherit from the front at that moment."""
 
-    torch_threads: int | None
+    main: str
+    kwargs: dict
     sys_path: list[str]
     cwd: str
     environ: dict[str, str]
@@ -370,13 +401,13 @@ class ForkServer:
             self._sock.close()
         self._sock = self._popen = None
 
-    def fork(self, conn_fd: int, torch_threads: int | None,
+    def fork(self, conn_fd: int, main: str, kwargs: dict, *,
              timeout: float = FORK_TIMEOUT_S) -> ForkedProcess:
         try:
             cwd = os.getcwd()
         except OSError:  # removed since: the executor stays where the fork server is
             cwd = ""
-        request = pickle.dumps(_Request(torch_threads, list(sys.path), cwd, dict(os.environ)))
+        request = pickle.dumps(_Request(main, kwargs, list(sys.path), cwd, dict(os.environ)))
         with self._lock:
             for attempt in range(2):  # a second time with a new fork server if it died
                 if self._popen is None or self._popen.poll() is not None:
@@ -497,8 +528,8 @@ def serve(control_fd: int) -> None:
             control.sendall(_REPLY.pack(-(error.errno or 1)))
             continue
         if pid == 0:
-            _run_executor(control, conn_fd, stdout_fd=stdout_fd, stderr_fd=stderr_fd,
-                          request=request)
+            _run_child(control, conn_fd, stdout_fd=stdout_fd, stderr_fd=stderr_fd,
+                       request=request)
         for fd in fds:
             os.close(fd)
         children.add(pid)
@@ -563,10 +594,10 @@ def _end(children: set[int]) -> None:
         _reap(children)
 
 
-def _run_executor(control: socket.socket, conn_fd: int, *, stdout_fd: int, stderr_fd: int,
-                  request: _Request) -> None:
-    """In the forked child: become what a fresh executor interpreter would be, run the
-    executor loop, and exit without the interpreter's teardown (seconds with torch loaded)."""
+def _run_child(control: socket.socket, conn_fd: int, *, stdout_fd: int, stderr_fd: int,
+               request: _Request) -> None:
+    """In the forked child: become what a fresh interpreter would be, run the request's
+    main, and exit without the interpreter's teardown (seconds with torch loaded)."""
     code = 1
     try:
         control.close()
@@ -585,11 +616,7 @@ def _run_executor(control: socket.socket, conn_fd: int, *, stdout_fd: int, stder
         numpy_random = sys.modules.get("numpy.random")
         if numpy_random is not None:
             numpy_random.seed()  # from the OS's entropy, as a fresh interpreter's would be
-        from multiprocessing.connection import Connection
-
-        from torch_dataservice.worker.executor_process import executor_main
-
-        executor_main(Connection(conn_fd), torch_threads=request.torch_threads)
+        run_main(Connection(conn_fd), request.main, request.kwargs)
         code = 0
     except BaseException:
         import traceback

@@ -125,7 +125,8 @@ class WorkerServer:
             # (worker/data_port.py).
             self._data_port = DataPort(self._service.fetch, self._registered.is_set,
                                        self._config.host, port=self._config.data_port,
-                                       tls=self._config.tls)
+                                       tls=self._config.tls,
+                                       max_connections=self._config.data_port_max_connections)
             self._data_port.on_sent = self._service.counters.sent
             self._data_port.start()
             self._start_metrics()
@@ -187,9 +188,13 @@ class WorkerServer:
                 data_port=data_port.port if data_port is not None else 0,
                 data_socket=data_port.socket_path if data_port is not None else "")
         except grpc.RpcError as error:
-            if error.code() in REFUSAL_CODES:
+            details = error.details() or ""
+            tls = (auth.plaintext_against_tls(details)
+                   if error.code() == grpc.StatusCode.UNAVAILABLE and "Socket closed" in details
+                   else None)
+            if error.code() in REFUSAL_CODES or tls is not None:
                 kind = "version mismatch: " if is_version_mismatch(error) else ""
-                self.refused = f"{kind}{error.code().name}: {error.details()}"
+                self.refused = tls or f"{kind}{error.code().name}: {details}"
                 logger.error("the dispatcher refused this worker: %s", self.refused)
                 self._stopped.set()
                 return
