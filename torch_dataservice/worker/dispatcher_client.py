@@ -73,6 +73,10 @@ class DispatcherClient:
             cached = self._datasets[dataset_id] = response.dataset
         return cached
 
+    def pipeline(self, dataset_id: str) -> bytes:
+        """A dataset's pipeline bytes (what an executor is sent to run it)."""
+        return self.dataset(dataset_id).pipeline
+
     def forget_dataset(self, dataset_id: str) -> None:
         self._datasets.pop(dataset_id, None)
 

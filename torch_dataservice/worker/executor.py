@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from multiprocessing.connection import Connection
 from typing import Protocol
 
@@ -295,17 +295,19 @@ class ExecutorPool:
             return self._slots[index % self._size]
 
     def start_replica(self, slot_index: int, key: ReplicaKey, dataset_id: str, *,
-                      pipeline: bytes, plan: ReplicaPlan, compression: str | None,
-                      credits: int, dependencies: Sequence[tuple[str, bytes]] = ()) -> bool:
+                      pipeline: Callable[[str], bytes], plan: ReplicaPlan,
+                      compression: str | None, credits: int,
+                      dependencies: Sequence[str] = ()) -> bool:
         """Start a replica of `dataset_id`, first sending the executor the datasets it does not
-        have yet: `dependencies` (pipeline/shared_objects.py), then the pipeline itself."""
+        have yet: `dependencies` (pipeline/shared_objects.py), then the pipeline itself
+        (`pipeline(dataset_id)`: its bytes, asked for only when the executor lacks them)."""
         slot = self._slot(slot_index)
         # All under the slot's send lock: a release_dataset cannot fall between a dataset and
         # the start that needs it.
         with slot.send_lock:
-            for needed, needed_bytes in (*dependencies, (dataset_id, pipeline)):
+            for needed in (*dependencies, dataset_id):
                 if needed not in slot.datasets:
-                    if not slot.send_locked(DatasetBytes(needed, needed_bytes)):
+                    if not slot.send_locked(DatasetBytes(needed, pipeline(needed))):
                         return False
                     slot.datasets.add(needed)
             return slot.send_locked(Start(key, dataset_id, plan, compression, credits))

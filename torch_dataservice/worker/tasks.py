@@ -44,6 +44,8 @@ class Dispatcher(Protocol):
 
     def dataset(self, dataset_id: str) -> common_pb2.DatasetDef: ...
 
+    def pipeline(self, dataset_id: str) -> bytes: ...
+
     def forget_dataset(self, dataset_id: str) -> None: ...
 
     def get_split(self, task: common_pb2.TaskDef, *, repetition: int, replica: int,
@@ -209,13 +211,13 @@ class TaskManager:
             slots = tuple(index % self._executors.size for index in range(len(plan.replicas)))
             task.state.handle(_started(slots, plan, dataset, split_prefetch=self._split_prefetch))
             compression = "AUTO" if definition.compression else None
-            dependency_bytes = [(d, self._dispatcher.dataset(d).pipeline) for d in dependencies]
             failed: list[ts.Instruction] = []
             for index, replica in enumerate(plan.replicas):
                 if not self._executors.start_replica(
                         slots[index], (definition.task_id, index), definition.dataset_id,
-                        pipeline=dataset.pipeline, plan=replica, compression=compression,
-                        credits=CREDITS_PER_REPLICA, dependencies=dependency_bytes):
+                        pipeline=self._dispatcher.pipeline, plan=replica,
+                        compression=compression, credits=CREDITS_PER_REPLICA,
+                        dependencies=dependencies):
                     failed += task.state.handle(ts.ReplicaFailed(index, TaskError(
                         "RuntimeError", "executor process unavailable", "")))
         self._carry_out(task, failed)
