@@ -3,31 +3,34 @@
 A real dispatcher runs as a subprocess (`python -m torch_dataservice dispatcher`), once with its
 state in memory and once with `--fault-tolerant --work-dir` (every change journaled and
 fsynced). Workers and clients are simulated by plain gRPC stubs (`dispatcher_pb2_grpc`,
-asyncio) spread over `--procs` processes, doing what the real ones do at the default
-intervals:
-  - a worker heartbeats every 500 ms (WorkerConfig.effective_heartbeat_interval_ms), listing
-    its tasks, and each of its tasks asks for DYNAMIC splits with `GetSplit` at
+asyncio) spread over `--procs` processes, doing what the real ones do at the intervals the
+dispatcher asks for in its replies (dispatcher/cadence.py; the defaults while it asks none),
+and backing off as its RESOURCE_EXHAUSTED refusals ask:
+  - a worker heartbeats (default every 500 ms, WorkerConfig.effective_heartbeat_interval_ms),
+    listing its tasks, and each of its tasks asks for DYNAMIC splits with `GetSplit` at
     `--split-rate` splits/s (a split of 10 elements of a 10 ms read on a single-process worker
     is 10/s; 256-element splits of 8 processes at 10 ms are ~3/s), reporting the split it
     finished in the next request, as a task's split stock (worker/task_state.py) does when
     it is one split;
-  - a client joins the job's iteration (GetOrCreateIteration) and heartbeats every 100 ms
-    (client/membership.py HEARTBEAT_INTERVAL_S), reporting the offsets it received of the splits
-    handed out (exactly-once bookkeeping), as a reader of a DYNAMIC job does.
+  - a client joins the job's iteration (GetOrCreateIteration) and heartbeats (default every
+    100 ms, client/membership.py HEARTBEAT_INTERVAL_S), acknowledging as offset ranges the
+    splits handed out (exactly-once bookkeeping), and naming the task list it holds, as a
+    reader of a DYNAMIC job does.
 All workers and clients share one DYNAMIC job (one iteration): N trainers reading one fleet.
-The population grows step by step (`--steps`, the same number of workers and of clients);
-each step runs `--seconds` after a ramp, and per step we read the dispatcher's CPU from
-/proc/PID/stat over the window (cores = CPU seconds / wall seconds), the GetSplit latency
-(p50/p99, seen by the stubs) and the RPCs done against those offered (a simulator that falls
-behind, or a dispatcher that does, shows as achieved < offered).
+The population grows step by step (`--workers` and `--clients`, paired lists); each step runs
+`--seconds` after a ramp, and per step we read the dispatcher's CPU from /proc/PID/stat over
+the window (cores = CPU seconds / wall seconds), the simulators' own CPU apart, the GetSplit
+latency of the answered requests (p50/p99, seen by the stubs, beside the simulators' own
+event-loop lag), the RPCs answered and refused against those offered (GetSplit at its fixed
+rate; heartbeats: every attempt, at the intervals in force, which move during a window).
 
-Baseline, same run: the offered load itself (achieved/offered) and the budget of half a core.
-"sustains" = the dispatcher used <= 0.5 core and answered >= 95% of the offered RPCs. The
+Baseline, same run: the offered load itself (achieved/offered) and the budget of a core.
+"sustains" = the dispatcher used <= 1 core and answered >= 95% of the offered RPCs. The
 simulators share the machine with the dispatcher (2 cores here): latency includes their
 contention; the dispatcher's CPU is its own.
 
     python benchmarks/dispatcher_capacity.py --quick    # about a minute
-    python benchmarks/dispatcher_capacity.py            # 10..400, both modes, a few minutes
+    python benchmarks/dispatcher_capacity.py --workers 1000 --clients 4096 --modes journal
     python benchmarks/dispatcher_capacity.py --json benchmarks/results/dispatcher_capacity.json
 """
 
@@ -54,7 +57,8 @@ CLIENT_HEARTBEAT_S = 0.1  # client/membership.py HEARTBEAT_INTERVAL_S
 FEED_REPLICA = 1 << 20  # worker/task_state.py: the replica id a task's split stock uses
 SPLIT_SIZE = 10
 PEERS_PER_CHANNEL = 10  # simulated peers sharing one HTTP/2 connection
-BUDGET_CORES = 0.5
+BUDGET_CORES = 1.0
+RETRY_AFTER_KEY = "x-torch-dataservice-retry-after-ms"  # errors.RETRY_AFTER_KEY
 
 
 # ============================================================================ simulators
@@ -67,11 +71,15 @@ class Sim:
         self.address, self.index, self.split_rate = address, index, split_rate
         self.events: deque[tuple[float, str, float]] = deque()  # (end time, kind, latency)
         self.errors: deque[tuple[float, str]] = deque()
+        self.refusals: deque[tuple[float, str]] = deque()  # RESOURCE_EXHAUSTED + retry-after
+        self.lags: deque[tuple[float, float]] = deque()  # (time, event loop lag)
         self.received: deque[tuple[int, int]] = deque()  # (task id, split index) to report
         self.channels: list = []
         self.coroutines: list[asyncio.Task] = []
         self.workers = self.clients = 0
         self.job_id = 0
+        # The intervals the dispatcher asked for last (0: the defaults).
+        self.worker_interval_s, self.client_interval_s = WORKER_HEARTBEAT_S, CLIENT_HEARTBEAT_S
 
     def stub(self):
         import grpc
@@ -84,9 +92,21 @@ class Sim:
         return dispatcher_pb2_grpc.DispatcherServiceStub(self.channels[-1])
 
     async def call(self, kind: str, method, request):
+        """The response, or None after an error; a refusal first waits its retry-after
+        (with jitter), as rpc.overload_backoff_s does."""
+        import grpc
+
         start = time.perf_counter()
         try:
             response = await method(request, timeout=10)
+        except grpc.aio.AioRpcError as error:
+            hint = dict(error.trailing_metadata() or ()).get(RETRY_AFTER_KEY)
+            if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and hint is not None:
+                self.refusals.append((time.time(), kind))
+                await asyncio.sleep(int(hint) / 1000 * (0.5 + random.random()))
+            else:
+                self.errors.append((time.time(), f"{kind}: {error.code().name}"))
+            return None
         except Exception as error:  # noqa: BLE001 - counted
             self.errors.append((time.time(), f"{kind}: {type(error).__name__}"))
             return None
@@ -109,7 +129,10 @@ class Sim:
                                            worker_address=address, worker_uid=uid,
                                            current_tasks=list(tasks), host_id="sim",
                                            process_id=f"sim-{self.index}-{i}"))
+            interval = WORKER_HEARTBEAT_S
             if response is not None:
+                interval = response.next_heartbeat_ms / 1000 or WORKER_HEARTBEAT_S
+                self.worker_interval_s = interval
                 for task in response.new_tasks:
                     if task.task_id not in tasks:
                         tasks[task.task_id] = asyncio.ensure_future(self.split_loop(stub, task))
@@ -119,7 +142,7 @@ class Sim:
                         loop.cancel()
                 if not registered.done():
                     registered.set_result(None)
-            await asyncio.sleep(max(0.0, WORKER_HEARTBEAT_S - (time.monotonic() - began)))
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - began)))
 
     async def split_loop(self, stub, task) -> None:
         from torch_dataservice.proto import common_pb2, dispatcher_pb2
@@ -161,21 +184,37 @@ class Sim:
         client_id = response.client_id
         joined.set_result(None)
         await asyncio.sleep(random.random() * CLIENT_HEARTBEAT_S)
-        offsets = list(range(SPLIT_SIZE))
+        tasks_version = 0
         while True:
             began = time.monotonic()
-            request = dispatcher_pb2.ClientHeartbeatRequest(client_id=client_id)
-            # This client received some of the splits this process's workers handed out.
+            request = dispatcher_pb2.ClientHeartbeatRequest(
+                client_id=client_id, known_tasks_version=tasks_version)
+            # This client received some of the splits this process's workers handed out, and
+            # acknowledges each whole as one range.
             for _ in range(min(len(self.received), 1 + len(self.received) // max(1, self.clients))):
                 task_id, index = self.received.popleft()
                 request.received.add(task_id=task_id,
                                      split=common_pb2.SplitKey(repetition=0, index=index),
-                                     offsets=offsets)
-            await self.call("client_heartbeat", stub.ClientHeartbeat, request)
-            await asyncio.sleep(max(0.0, CLIENT_HEARTBEAT_S - (time.monotonic() - began)))
+                                     offset_ranges=(0, SPLIT_SIZE))
+            reply = await self.call("client_heartbeat", stub.ClientHeartbeat, request)
+            interval = CLIENT_HEARTBEAT_S
+            if reply is not None:
+                tasks_version = reply.tasks_version
+                interval = reply.next_heartbeat_ms / 1000 or CLIENT_HEARTBEAT_S
+                self.client_interval_s = interval
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - began)))
+
+    async def probe(self) -> None:
+        """How late this simulator's event loop runs: latency it adds to every call."""
+        while True:
+            began = time.monotonic()
+            await asyncio.sleep(0.05)
+            self.lags.append((time.time(), time.monotonic() - began - 0.05))
 
     async def grow(self, workers: int, clients: int) -> None:
         loop = asyncio.get_running_loop()
+        if not self.coroutines:
+            self.coroutines.append(asyncio.ensure_future(self.probe()))
         waits = []
         while self.workers < workers:
             future = loop.create_future()
@@ -200,7 +239,11 @@ class Sim:
                 if kind == "get_split":
                     latencies.append(latency)
         errors = [kind for end, kind in self.errors if t0 <= end <= t1]
-        return {"counts": counts, "split_latencies": latencies, "errors": errors}
+        return {"counts": counts, "split_latencies": latencies, "errors": errors,
+                "refused": [kind for t, kind in self.refusals if t0 <= t <= t1],
+                "lags": [lag for t, lag in self.lags if t0 <= t <= t1],
+                "cpu_s": time.process_time(),
+                "intervals": (self.worker_interval_s, self.client_interval_s)}
 
 
 def _sim_main(address: str, index: int, split_rate: float, conn) -> None:
@@ -323,18 +366,22 @@ def create_job(address: str, tag: str) -> int:
 @dataclass
 class Row:
     mode: str  # "memory" or "journal"
-    series: str  # "both" (n workers + n clients), "workers" (n + 1 client), "clients" (1 + n)
     workers: int
     clients: int
     seconds: float
     cores: float  # dispatcher CPU seconds per wall second
+    sim_cores: float  # the simulators' own, apart
     rss_mb: float
-    offered_rps: float
-    achieved_rps: float
+    offered_rps: float  # at the intervals in force
+    achieved_rps: float  # answered
+    refused_rps: float  # RESOURCE_EXHAUSTED with a retry-after
     split_rps: float
-    split_p50_ms: float
+    split_p50_ms: float  # answered GetSplit requests
     split_p99_ms: float
     errors: int
+    worker_interval_ms: float  # in force (asked by the dispatcher, or the default)
+    client_interval_ms: float
+    sim_lag_p99_ms: float  # simulators' event-loop lag: latency not the dispatcher's
 
     @property
     def sustained(self) -> bool:
@@ -348,10 +395,7 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-SERIES = {"both": lambda n: (n, n), "workers": lambda n: (n, 1), "clients": lambda n: (1, n)}
-
-
-def run_mode(mode: str, series: str, steps: list[int], seconds: float, ramp: float,
+def run_mode(mode: str, sizes: list[tuple[int, int]], seconds: float, ramp: float,
              procs: int, split_rate: float, stop_cores: float, log) -> list[Row]:
     rows: list[Row] = []
     work_dir = tempfile.mkdtemp(prefix="tds-capacity-") if mode == "journal" else None
@@ -360,36 +404,56 @@ def run_mode(mode: str, series: str, steps: list[int], seconds: float, ramp: flo
     try:
         job_id = create_job(dispatcher.address, mode)
         sims = Sims(dispatcher.address, procs, split_rate)
-        for n in steps:
-            workers, clients = SERIES[series](n)
+        for workers, clients in sizes:
+            grow_began = time.perf_counter()
             sims.grow(workers, clients, job_id)
+            log(f"  {mode}: {workers} workers + {clients} clients joined in "
+                f"{time.perf_counter() - grow_began:.1f} s")
             time.sleep(ramp)  # every worker has its task and is asking for splits
             t0, cpu0 = time.time(), dispatcher.cpu_seconds()
+            sim_cpu0 = sum(s["cpu_s"] for s in sims.stats(t0, t0))
             time.sleep(seconds)
             t1, cpu1 = time.time(), dispatcher.cpu_seconds()
             stats = sims.stats(t0, t1)
             wall = t1 - t0
             counts: dict[str, int] = {}
             latencies: list[float] = []
-            errors = 0
+            refused: list[str] = []
+            error_kinds: dict[str, int] = {}
             for s in stats:
                 for kind, count in s["counts"].items():
                     counts[kind] = counts.get(kind, 0) + count
                 latencies += s["split_latencies"]
-                errors += len(s["errors"])
-            offered = (workers / WORKER_HEARTBEAT_S + workers * split_rate
-                       + clients / CLIENT_HEARTBEAT_S)
+                for kind in s["errors"]:
+                    error_kinds[kind] = error_kinds.get(kind, 0) + 1
+                refused += s["refused"]
+            errors = sum(error_kinds.values())
+            lags = [lag for s in stats for lag in s["lags"]]
+            if errors:
+                log(f"  {mode}: errors {sorted(error_kinds.items(), key=lambda e: -e[1])[:3]}")
+            worker_s = max(s["intervals"][0] for s in stats)
+            client_s = max(s["intervals"][1] for s in stats)
+            # GetSplit is offered at a fixed rate; heartbeats at the intervals in force, which
+            # move during a window: every attempt made (answered, refused or failed) counts.
+            beats = ("worker_heartbeat", "client_heartbeat")
+            offered = workers * split_rate + (
+                sum(counts.get(k, 0) for k in beats) + sum(k in beats for k in refused)
+                + sum(n for k, n in error_kinds.items() if k.split(":")[0] in beats)) / wall
             achieved = sum(counts.get(k, 0) for k in
                            ("worker_heartbeat", "get_split", "client_heartbeat")) / wall
-            row = Row(mode, series, workers, clients, wall, (cpu1 - cpu0) / wall,
-                      dispatcher.rss_mb(), offered, achieved, counts.get("get_split", 0) / wall,
+            row = Row(mode, workers, clients, wall, (cpu1 - cpu0) / wall,
+                      (sum(s["cpu_s"] for s in stats) - sim_cpu0) / wall,
+                      dispatcher.rss_mb(), offered, achieved, len(refused) / wall,
+                      counts.get("get_split", 0) / wall,
                       1000 * percentile(latencies, 0.5), 1000 * percentile(latencies, 0.99),
-                      errors)
+                      errors, 1000 * worker_s, 1000 * client_s, 1000 * percentile(lags, 0.99))
             rows.append(row)
             log(f"  {mode}: {workers} workers + {clients} clients: dispatcher "
-                f"{row.cores:.2f} cores, "
+                f"{row.cores:.2f} cores (simulators {row.sim_cores:.2f}), "
                 f"GetSplit p50 {row.split_p50_ms:.1f} ms p99 {row.split_p99_ms:.1f} ms, "
-                f"RPCs {achieved:,.0f}/{offered:,.0f} per s")
+                f"RPCs {achieved:,.0f}/{offered:,.0f} per s, refused {row.refused_rps:,.0f}/s, "
+                f"intervals {row.worker_interval_ms:.0f}/{row.client_interval_ms:.0f} ms, "
+                f"simulator loop lag p99 {row.sim_lag_p99_ms:.0f} ms")
             if row.cores > stop_cores:
                 log(f"  {mode}: above {stop_cores} cores: larger steps skipped")
                 break
@@ -403,80 +467,90 @@ def run_mode(mode: str, series: str, steps: list[int], seconds: float, ramp: flo
 
 
 def print_table(rows: list[Row]) -> None:
-    header = (f"{'mode':<8} {'series':<8} {'workers':>7} {'clients':>7} {'disp cores':>10} "
-              f"{'RSS MB':>7} "
-              f"{'RPC/s done/offered':>19} {'GetSplit/s':>10} {'p50 ms':>7} {'p99 ms':>7} "
-              f"{'errors':>6}  <=0.5 core")
+    header = (f"{'mode':<8} {'workers':>7} {'clients':>7} {'disp cores':>10} {'sim cores':>9} "
+              f"{'RSS MB':>7} {'RPC/s done/offered':>19} {'refused/s':>9} {'GetSplit/s':>10} "
+              f"{'p50 ms':>7} {'p99 ms':>7} {'hb ms w/c':>11} {'errors':>6}  <=1 core")
     print(header)
     print("-" * len(header))
     for r in rows:
         done = f"{r.achieved_rps:,.0f}/{r.offered_rps:,.0f}"
-        print(f"{r.mode:<8} {r.series:<8} {r.workers:>7} {r.clients:>7} {r.cores:>10.2f} "
-              f"{r.rss_mb:>7.0f} "
-              f"{done:>19} {r.split_rps:>10,.0f} {r.split_p50_ms:>7.1f} {r.split_p99_ms:>7.1f} "
-              f"{r.errors:>6}  {'yes' if r.sustained else 'NO'}")
+        intervals = f"{r.worker_interval_ms:.0f}/{r.client_interval_ms:.0f}"
+        print(f"{r.mode:<8} {r.workers:>7} {r.clients:>7} {r.cores:>10.2f} {r.sim_cores:>9.2f} "
+              f"{r.rss_mb:>7.0f} {done:>19} {r.refused_rps:>9,.0f} {r.split_rps:>10,.0f} "
+              f"{r.split_p50_ms:>7.1f} {r.split_p99_ms:>7.1f} {intervals:>11} {r.errors:>6}  "
+              f"{'yes' if r.sustained else 'NO'}")
+
+
+def _counts(text: str, flag: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated counts, got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise ValueError(f"{flag} counts must be >= 1, got {text!r}")
+    return counts
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short steps (about a minute)")
-    parser.add_argument("--steps", default=None,
-                        help="workers (= clients) per step (quick 10,50,100,200; "
+    parser.add_argument("--workers", default=None,
+                        help="simulated workers per step, comma-separated (quick 10,50,100,200; "
                              "full 10,25,50,100,200,400)")
+    parser.add_argument("--clients", default=None,
+                        help="simulated clients per step, paired with --workers (default: the "
+                             "same counts)")
     parser.add_argument("--modes", default="memory,journal",
                         help="memory (no journal), journal (--fault-tolerant --work-dir)")
-    parser.add_argument("--series", default=None,
-                        help="both (n workers + n clients), workers (n + 1 client), clients "
-                             "(1 worker + n); quick: both; full: both,workers,clients (the "
-                             "last two in memory mode only)")
     parser.add_argument("--seconds", type=float, default=None,
                         help="measured window per step (quick 3, full 8)")
     parser.add_argument("--ramp", type=float, default=1.5, help="seconds before each window")
     parser.add_argument("--procs", type=int, default=3, help="simulator processes")
     parser.add_argument("--split-rate", type=float, default=2.0,
                         help="GetSplit per second per worker task (default: 2)")
-    parser.add_argument("--stop-cores", type=float, default=1.2,
+    parser.add_argument("--stop-cores", type=float, default=1.5,
                         help="skip larger steps once the dispatcher used this many cores")
     parser.add_argument("--json", default=None, help="write the rows to this JSON file")
     args = parser.parse_args(argv)
-    steps = [int(s) for s in (args.steps or ("10,25,50,100,200" if args.quick
-                                             else "10,25,50,100,200,400")).split(",")]
+    try:
+        workers = _counts(args.workers or ("10,50,100,200" if args.quick
+                                           else "10,25,50,100,200,400"), "--workers")
+        clients = _counts(args.clients, "--clients") if args.clients else workers
+    except ValueError as error:
+        parser.error(str(error))
+    if len(clients) != len(workers):
+        parser.error(f"--clients has {len(clients)} counts and --workers {len(workers)}: "
+                     "they pair up, one step each")
+    sizes = list(zip(workers, clients, strict=True))
     seconds = args.seconds or (3.0 if args.quick else 8.0)
     began = time.perf_counter()
     rows: list[Row] = []
     modes = args.modes.split(",")
-    if args.series:
-        runs = [(mode, series) for series in args.series.split(",") for mode in modes]
-    else:
-        runs = [(mode, "both") for mode in modes]
-        if not args.quick:
-            runs += [(modes[0], "workers"), (modes[0], "clients")]
-    for mode, series in runs:
-        if series not in SERIES:
-            parser.error(f"unknown series {series!r}")
-        rows += run_mode(mode, series, steps, seconds, args.ramp, args.procs, args.split_rate,
+    for mode in modes:
+        if mode not in ("memory", "journal"):
+            parser.error(f"unknown mode {mode!r}")
+        rows += run_mode(mode, sizes, seconds, args.ramp, args.procs, args.split_rate,
                          args.stop_cores, lambda m: print(m, flush=True))
 
     print()
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, "
-          f"{'quick' if args.quick else 'full'} mode, {seconds:g} s per step, "
-          f"{args.procs} simulator processes, worker heartbeat {WORKER_HEARTBEAT_S * 1000:.0f} "
-          f"ms, client heartbeat {CLIENT_HEARTBEAT_S * 1000:.0f} ms, {args.split_rate:g} "
-          f"GetSplit/s per worker, {time.perf_counter() - began:.0f} s; baseline: the offered "
-          f"RPC rate and a budget of {BUDGET_CORES} core")
+          f"{seconds:g} s per step, {args.procs} simulator processes, default heartbeats "
+          f"{WORKER_HEARTBEAT_S * 1000:.0f}/{CLIENT_HEARTBEAT_S * 1000:.0f} ms (worker/client) "
+          f"until the dispatcher asks otherwise, {args.split_rate:g} GetSplit/s per worker, "
+          f"{time.perf_counter() - began:.0f} s; baseline: the offered RPC rate and a budget of "
+          f"{BUDGET_CORES} core")
     print_table(rows)
-    for mode, series in dict.fromkeys((r.mode, r.series) for r in rows):
-        ok = [r for r in rows if (r.mode, r.series) == (mode, series) and r.sustained]
+    for mode in dict.fromkeys(r.mode for r in rows):
+        ok = [r for r in rows if r.mode == mode and r.sustained]
         best = max(ok, key=lambda r: r.workers + r.clients, default=None)
-        print(f"{mode}/{series}: within {BUDGET_CORES} core, the largest step sustained: "
+        print(f"{mode}: within {BUDGET_CORES} core, the largest step sustained: "
               + (f"{best.workers} workers + {best.clients} clients" if best else "none"))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"benchmark": "dispatcher_capacity", "cores": os.cpu_count(),
+                       "load_average": os.getloadavg()[0],
                        "split_rate": args.split_rate, "budget_cores": BUDGET_CORES,
-                       "worker_heartbeat_s": WORKER_HEARTBEAT_S,
-                       "client_heartbeat_s": CLIENT_HEARTBEAT_S,
                        "rows": [{**asdict(r), "sustained": r.sustained} for r in rows]},
                       f, indent=1)
         print(f"wrote {args.json}")

@@ -95,6 +95,12 @@ FLAGS: dict[str, list[Flag]] = {
                                     "10000)", "int"),
         Flag("--job-gc-timeout-ms", "an iteration without clients this long is collected "
                                     "(default: 300000)", "int"),
+        Flag("--heartbeat-budget-rps", "heartbeats per second the fleet may send: past it, "
+                                       "workers and readers are asked to report less often "
+                                       "(default: 500)", "int"),
+        Flag("--max-pending-rpcs", "requests handled at once: past half of it heartbeats, "
+                                   "past it splits are refused with a retry-after (default: "
+                                   "24)", "int"),
         Flag("--max-dataset-bytes", "largest dataset definition (pickled pipeline) a client "
                                     "may register (default: 1 GiB)", "int", 1 << 30),
         Flag("--max-datasets", "most datasets registered at once (default: 10000)", "int",
@@ -275,6 +281,7 @@ def _run_dispatcher(args: argparse.Namespace, signals: _Signals) -> int:
         fault_tolerant_mode=args.fault_tolerant, worker_addresses=addresses,
         journal_recovery=args.journal_recovery, worker_timeout_ms=args.worker_timeout_ms,
         job_gc_timeout_ms=args.job_gc_timeout_ms, metrics_port=args.metrics_port,
+        heartbeat_budget_rps=args.heartbeat_budget_rps, max_pending_rpcs=args.max_pending_rpcs,
         max_dataset_bytes=args.max_dataset_bytes, max_datasets=args.max_datasets,
         max_workers=args.max_workers, tls=_tls(args)))
     if args.port_file:

@@ -121,6 +121,10 @@ class DispatcherConfig:
     journal_recovery: str = "fail"
     metrics_port: int | None = None  # Prometheus /metrics: None off, 0 a free port
     tls: TLSConfig | None = None  # serve gRPC over TLS (mTLS with a ca_file)
+    # The fleet's heartbeats per second the dispatcher aims at (it stretches intervals to
+    # fit), and how many requests it handles at once before refusing (dispatcher/cadence.py).
+    heartbeat_budget_rps: int | None = None
+    max_pending_rpcs: int | None = None
     # What requests may make the dispatcher hold (a refused request names the limit).
     max_dataset_bytes: int = 1 << 30  # one dataset definition (the pickled pipeline)
     max_datasets: int = 10_000  # datasets registered at once
@@ -152,6 +156,19 @@ class DispatcherConfig:
         _check_positive_ms("job_gc_check_interval_ms", self.job_gc_check_interval_ms)
         _check_positive_ms("job_gc_timeout_ms", self.job_gc_timeout_ms)
         _check_positive_ms("worker_timeout_ms", self.worker_timeout_ms)
+        for name in ("heartbeat_budget_rps", "max_pending_rpcs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+    @property
+    def effective_heartbeat_budget_rps(self) -> int:
+        return self.heartbeat_budget_rps or 500
+
+    @property
+    def effective_max_pending_rpcs(self) -> int:
+        return self.max_pending_rpcs or 24
 
     @property
     def effective_worker_timeout_ms(self) -> int:

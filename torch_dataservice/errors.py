@@ -111,9 +111,30 @@ RETRYABLE_CODES = frozenset(
 )
 
 
+# Trailing metadata of a RESOURCE_EXHAUSTED refusal from an overloaded dispatcher: how many ms
+# to wait before trying again (dispatcher/cadence.py).
+RETRY_AFTER_KEY = "x-torch-dataservice-retry-after-ms"
+
+
+def retry_after_ms(error: BaseException) -> int | None:
+    """The retry-after hint of an overloaded dispatcher's refusal; None for other errors."""
+    if not isinstance(error, grpc.RpcError) or error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return None
+    trailing = getattr(error, "trailing_metadata", lambda: None)() or ()
+    for key, value in trailing:
+        if key == RETRY_AFTER_KEY:
+            try:
+                return max(0, int(value))
+            except ValueError:
+                return None
+    return None
+
+
 def is_retryable(error: BaseException) -> bool:
-    """Preempted / not-ready-yet errors: the same call may succeed later."""
-    return isinstance(error, grpc.RpcError) and error.code() in RETRYABLE_CODES
+    """Preempted / not-ready-yet / overloaded (with a retry-after) errors: the same call may
+    succeed later."""
+    return isinstance(error, grpc.RpcError) and (error.code() in RETRYABLE_CODES
+                                                 or retry_after_ms(error) is not None)
 
 
 class NotReadyError(Exception):

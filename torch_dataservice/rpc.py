@@ -22,6 +22,7 @@ from torch_dataservice.errors import (
     ServiceUnavailableError,
     VersionMismatchError,
     is_retryable,
+    retry_after_ms,
 )
 from torch_dataservice.peers import PeerLog, peer_host
 
@@ -123,6 +124,24 @@ def wait_report_s() -> float:
         return 10.0
 
 
+_overload_logged = False
+
+
+def overload_backoff_s(error: BaseException, what: str) -> float | None:
+    """How long to wait after an overloaded dispatcher's refusal: its retry-after hint with
+    jitter (0.5x to 1.5x, so refused peers do not come back together); None for any other
+    error. The first refusal in this process is logged, the rest at debug level."""
+    hint = retry_after_ms(error)
+    if hint is None:
+        return None
+    global _overload_logged
+    level = logging.DEBUG if _overload_logged else logging.WARNING
+    _overload_logged = True
+    logger.log(level, "%s: the dispatcher is over its capacity and asked to retry after %d ms: "
+               "backing off (logged once)", what, hint)
+    return hint / 1000 * (0.5 + random.random())
+
+
 def retry(
     call: Callable[[], T],
     *,
@@ -134,8 +153,10 @@ def retry(
 ) -> T:
     """Call `call` until it succeeds, retrying only retryable errors, until `deadline_s` passes.
 
-    Exponential backoff with jitter, capped at `max_backoff_s`. Raises ServiceUnavailableError
-    (chained to the last error) when the deadline expires or `stop` is set.
+    Exponential backoff with jitter, capped at `max_backoff_s`; an overloaded dispatcher's
+    refusal waits its retry-after hint instead (overload_backoff_s). Raises
+    ServiceUnavailableError (chained to the last error) when the deadline expires or `stop`
+    is set.
     """
     started = time.monotonic()
     end = started + deadline_s
@@ -170,7 +191,9 @@ def retry(
                 logger.warning("%s: %s, retrying (%.0f s so far, giving up after %.0f s)",
                                description, error.details() or error.code().name, waited,
                                deadline_s)
-            sleep = min(backoff * (0.5 + random.random()), remaining, max_backoff_s)
+            overloaded = overload_backoff_s(error, description)
+            sleep = min(remaining, overloaded if overloaded is not None
+                        else min(backoff * (0.5 + random.random()), max_backoff_s))
             if stop is not None:
                 if stop.wait(sleep):
                     raise ServiceUnavailableError(

@@ -27,11 +27,12 @@ logger = logging.getLogger(__name__)
 def start_grpc_server(
     register: Callable[[grpc.Server], None], host: str, port: int, max_workers: int = 64,
     tls: TLSConfig | None = None, max_receive_bytes: int | None = None,
+    executor: ThreadPoolExecutor | None = None,
 ) -> tuple[grpc.Server, int]:
     """Start a gRPC server with `register(server)` adding the servicers; returns (server, port).
     With `tls`, it serves over TLS only (and requires client certificates given a CA).
     `max_receive_bytes` caps a request's size (None: no cap): what one request may make the
-    server buffer."""
+    server buffer. `executor` runs the handlers (default: `max_workers` threads)."""
     auth.check_bind(host, tls)
     note_server_started()
     options = SERVER_OPTIONS
@@ -39,7 +40,7 @@ def start_grpc_server(
         options = [(key, max_receive_bytes if key == "grpc.max_receive_message_length"
                     else value) for key, value in SERVER_OPTIONS]
     server = grpc.server(
-        ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        executor or ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         options=options,
         interceptors=[*auth.server_interceptors(), MalformedRequests()],
     )
@@ -91,14 +92,15 @@ class Health:
 
 
 class BackgroundLoop:
-    """Call `body()` every `interval_s` on a daemon thread until `stop()`.
+    """Call `body()` every `interval_s` on a daemon thread until `stop()` (`body` may change
+    `interval_s`: a heartbeat's next interval is the dispatcher's to set).
 
     Exceptions in `body` are logged and the loop goes on: a transient failure must not end
     heartbeats or liveness checks for the life of the process.
     """
 
     def __init__(self, name: str, interval_s: float, body: Callable[[], None]) -> None:
-        self._interval_s = interval_s
+        self.interval_s = interval_s
         self._body = body
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -108,7 +110,7 @@ class BackgroundLoop:
 
     def _run(self) -> None:
         failures = 0
-        while not self._stop.wait(self._interval_s):
+        while not self._stop.wait(self.interval_s):
             try:
                 self._body()
                 failures = 0

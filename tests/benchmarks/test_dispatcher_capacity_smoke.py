@@ -21,15 +21,18 @@ def test_dispatcher_capacity_runs_and_prints_its_table(tmp_path: Path) -> None:
     out = tmp_path / "capacity.json"
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "dispatcher_capacity.py"), "--steps", "2,4",
-         "--seconds", "1", "--ramp", "1", "--procs", "2", "--modes", "memory,journal",
-         "--series", "both",
-         "--json", str(out)],
+        [sys.executable, str(REPO / "benchmarks" / "dispatcher_capacity.py"), "--workers", "2,4",
+         "--clients", "2,3", "--seconds", "1", "--ramp", "1", "--procs", "2",
+         "--modes", "memory,journal", "--json", str(out)],
         capture_output=True, text=True, timeout=160, env=env, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "disp cores" in result.stdout and "p99 ms" in result.stdout
-    assert "memory/both" in result.stdout and "journal/both" in result.stdout
+    assert "memory: within" in result.stdout and "journal: within" in result.stdout
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["mode"], r["workers"]) for r in rows] == [
-        ("memory", 2), ("memory", 4), ("journal", 2), ("journal", 4)]
+    assert [(r["mode"], r["workers"], r["clients"]) for r in rows] == [
+        ("memory", 2, 2), ("memory", 4, 3), ("journal", 2, 2), ("journal", 4, 3)]
     assert all(r["split_rps"] > 0 and r["split_p50_ms"] > 0 for r in rows)
+    # A small fleet: the default intervals, nothing refused, the simulators' CPU apart.
+    assert all(r["worker_interval_ms"] == 500 and r["client_interval_ms"] == 100
+               and r["refused_rps"] == 0 and r["sim_cores"] > 0 for r in rows)
+    assert all(r["offered_rps"] > 0 and r["achieved_rps"] > 0 and r["cores"] > 0 for r in rows)

@@ -164,7 +164,8 @@ def test_a_lost_workers_splits_wait_until_every_client_fenced_its_tasks() -> Non
     assert not splits.requeue_ready(state, soft, iteration, 0.5, WORKER_TIMEOUT_S)
     soft.client_fenced[3000] = frozenset({4000})
     assert splits.requeue_ready(state, soft, iteration, 0.5, WORKER_TIMEOUT_S)
-    reply = tasks.client_reply(state, iteration, [])
+    reply = tasks.client_reply(state, iteration, tasks.ClientViews().get(state, iteration), 0,
+                               [])
     assert list(reply.lost_task_ids) == [4000]
     new, delete = tasks.worker_task_changes(state, "w1:1", [4000, 4001], num_workers=0)
     assert delete == [4000]  # a zombie that is back drops the lost task
@@ -230,7 +231,8 @@ def test_a_shared_iteration_ends_for_its_clients_once_its_splits_settle_or_time_
     iteration = state.iteration(2000)
     assert state.is_finished(iteration) and iteration.delivered  # split 0 is not settled
     assert splits.end_held(state, soft, iteration, 1.0, WORKER_TIMEOUT_S)
-    assert not tasks.client_reply(state, iteration, (), None, True).iteration_finished
+    view = tasks.ClientViews().get(state, iteration)
+    assert not tasks.client_reply(state, iteration, view, 0, (), None, True).iteration_finished
     assert splits.end_held(state, soft, iteration, 1.0 + 2 * WORKER_TIMEOUT_S - 0.1,
                            WORKER_TIMEOUT_S)
     assert not splits.end_held(state, soft, iteration, 1.0 + 2 * WORKER_TIMEOUT_S,

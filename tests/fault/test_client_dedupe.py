@@ -48,7 +48,8 @@ def test_heartbeat_replies_name_settled_splits_once_per_client() -> None:
     assert not service.ClientHeartbeat(beat(client_id=client), None).settled
     # The other client was told in the reply to the very heartbeat that settled it.
     assert not service.ClientHeartbeat(beat(client_id=other), None).settled
-    assert not service._soft.settled[iteration_id]  # noqa: SLF001 - every client was told
+    assert not service._soft.settle_news  # noqa: SLF001 - every client was told
+    assert not service._soft.settle_watch[iteration_id]  # noqa: SLF001
     service.close()
 
 

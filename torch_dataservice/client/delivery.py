@@ -3,8 +3,8 @@
 Workers tag each element with (split repetition, split index, offset). The reader
   - drops an element it received already (a split handed again after its worker died);
   - acknowledges an element when the consumer takes it: acknowledgements ride on the next
-    heartbeat, so what was received and not taken goes to the job's other readers if this
-    one dies (dispatcher/splits.py);
+    heartbeat as [start, end) ranges of offsets (mostly one per split), so what was received
+    and not taken goes to the job's other readers if this one dies (dispatcher/splits.py);
   - fences the tasks the dispatcher lists as lost (their worker may be a zombie): nothing
     more is accepted from them, and what it holds of them counts as acknowledged at once, so
     the fence and those acknowledgements reach the dispatcher in the same heartbeat;
@@ -208,7 +208,7 @@ class Delivery:
             fenced = sorted(self._fenced)
         for (repetition, index), offsets in reports.items():
             request.received.add(split=common_pb2.SplitKey(repetition=repetition, index=index),
-                                 offsets=offsets)
+                                 offset_ranges=to_ranges(offsets))
         if isinstance(request, dispatcher_pb2.ClientHeartbeatRequest):
             request.fenced_tasks.extend(fenced)
         return reports, fenced
@@ -225,6 +225,17 @@ class Delivery:
                 received = self.seen.get((split.split.repetition, split.split.index))
                 if received is not None:
                     received.settle(split.num_elements)
+
+
+def to_ranges(offsets: Iterable[int]) -> list[int]:
+    """Offsets as flattened [start, end) pairs: [0, 1, 2, 5] -> [0, 3, 5, 6]."""
+    ranges: list[int] = []
+    for offset in sorted(set(offsets)):
+        if ranges and ranges[-1] == offset:
+            ranges[-1] = offset + 1
+        else:
+            ranges += (offset, offset + 1)
+    return ranges
 
 
 def split_tags(header: worker_pb2.ElementBatchHeader) -> list[tuple[int, int, int] | None]:

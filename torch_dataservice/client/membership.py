@@ -1,6 +1,7 @@
 """A reader's membership in its iteration: joining it, heartbeating, and the task table.
 
-The dispatcher is told the reader is alive every HEARTBEAT_INTERVAL_S, with what it
+The dispatcher is told the reader is alive every HEARTBEAT_INTERVAL_S, or as often as its
+last reply asked (a big fleet reports less often: dispatcher/cadence.py), with what it
 acknowledged (client/delivery.py) and, for coordinated reads, where it is in the rounds
 (client/rounds.py); the reply lists the iteration's tasks, so workers may come and go
 mid-epoch. A reader declared silent (longer than worker_timeout_ms) learns which splits were
@@ -25,7 +26,7 @@ from torch_dataservice.client.delivery import Delivery
 from torch_dataservice.client.transports import task_groups
 from torch_dataservice.errors import ReaderReleasedError, is_retryable
 from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc, status_pb2
-from torch_dataservice.rpc import channel_to, retry, rpc_error_to_exception
+from torch_dataservice.rpc import channel_to, overload_backoff_s, retry, rpc_error_to_exception
 from torch_dataservice.wire import inprocess
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,9 @@ class Membership:
         self.skipped_tasks = False  # some tasks are not read here (LOCAL)
         self.fatal: BaseException | None = None
         self._heartbeat_lock = threading.Lock()
+        self.interval_s = HEARTBEAT_INTERVAL_S  # until the next reply (or refusal) says
+        self._tasks_version = 0  # of the task list last received (0: none)
+        self._listed: set[int] = set()  # the tasks it listed
         # When the last heartbeat the dispatcher answered was sent (time.monotonic()): after
         # a pause, the reader asks before it yields more (IterationReader._after_pause).
         self.answered_at = time.monotonic()
@@ -119,12 +123,13 @@ class Membership:
             return self._beat()
 
     def heartbeat_loop(self) -> None:
-        while not self.closed.wait(HEARTBEAT_INTERVAL_S):
+        while not self.closed.wait(self.interval_s):
             self.heartbeat()
 
     def _beat(self) -> bool:
         sent_at = time.monotonic()
-        request = dispatcher_pb2.ClientHeartbeatRequest(client_id=self.client_id)
+        request = dispatcher_pb2.ClientHeartbeatRequest(client_id=self.client_id,
+                                                        known_tasks_version=self._tasks_version)
         if self.load is not None:
             request.load.CopyFrom(self.load())
         reports = self._delivery.report(request)[0] if self._delivery else {}
@@ -137,6 +142,10 @@ class Membership:
             self.down_since = self.down_since or time.monotonic()
             if self._delivery:
                 self._delivery.restore(reports)  # report them with the next heartbeat
+            backoff = overload_backoff_s(error, f"client {self.client_id} heartbeat")
+            if backoff is not None:
+                self.interval_s = backoff
+                return False
             if is_retryable(error) or error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return False  # the dispatcher may be restarting: keep reading known workers
             if error.code() == grpc.StatusCode.NOT_FOUND and not self.closed.is_set():
@@ -144,6 +153,7 @@ class Membership:
             self.fail(rpc_error_to_exception(error, "client heartbeat"))
             return False
         self.down_since = None
+        self.interval_s = response.next_heartbeat_ms / 1000 or HEARTBEAT_INTERVAL_S
         if response.declared_silent and self._delivery:
             keys = {(k.repetition, k.index) for k in response.handed_again}
             with self.lock:
@@ -164,14 +174,17 @@ class Membership:
         """The reply's task list into the task table (with the lock held)."""
         if response.error:
             self.fatal = RuntimeError(response.error)
-        listed = set()
-        for info in response.tasks:
-            if not self._wanted(info):
-                self.skipped_tasks = True
-                continue
-            listed.add(info.task_id)
-            if info.task_id not in self.tasks:
-                self.tasks[info.task_id] = TaskState(info)
+        listed = self._listed  # as the last list had it, unless this reply has a new one
+        if not response.tasks_unchanged:
+            listed = self._listed = set()
+            for info in response.tasks:
+                if not self._wanted(info):
+                    self.skipped_tasks = True
+                    continue
+                listed.add(info.task_id)
+                if info.task_id not in self.tasks:
+                    self.tasks[info.task_id] = TaskState(info)
+        self._tasks_version = response.tasks_version
         for task_id, state in list(self.tasks.items()):
             if self._delivery and self._delivery.is_fenced(task_id):
                 state.ended = True  # a fetch in flight brings nothing (Delivery.keep_new)
@@ -224,6 +237,7 @@ class Membership:
         logger.warning("%s; it joined iteration %d again as client %d", released,
                        iteration.iteration_id, iteration.client_id)
         self.iteration_id, self.client_id = iteration.iteration_id, iteration.client_id
+        self._tasks_version = 0  # the iteration may be a new one: list its tasks again
         return False
 
     def release(self) -> None:

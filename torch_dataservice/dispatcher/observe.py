@@ -48,6 +48,7 @@ class DispatcherObserver:
         self.clients: dict[int, ClientSample] = {}
         self.released_elements: dict[int, int] = {}  # iteration -> elements of gone clients
         self.splits = 0  # handed out by GetSplit
+        self.calls: dict[str, int] = {}  # answered, per method
         self.finished: set[int] = set()  # iterations whose end was logged
         self.registry: Any = None
         self._rpc_seconds: Any = None
@@ -64,6 +65,7 @@ class DispatcherObserver:
                 "mode)", registry=self.registry, buckets=FSYNC_BUCKETS)
 
     def rpc(self, method: str, seconds: float) -> None:
+        self.calls[method] = self.calls.get(method, 0) + 1
         if self._rpc_seconds is not None:
             self._rpc_seconds.labels(method).observe(seconds)
 
@@ -151,6 +153,20 @@ def collector(observer: DispatcherObserver,
         yield metrics.gauge("tds_dispatcher_clients", "Readers attached", len(snapshot.clients))
         yield metrics.counter("tds_dispatcher_splits", "DYNAMIC splits handed out",
                               observer.splits)
+        load = snapshot.load
+        yield metrics.gauge("tds_dispatcher_load_cores", "The dispatcher's CPU seconds per "
+                            "second, over its last liveness check", load.cores)
+        yield metrics.gauge("tds_dispatcher_rpcs_per_second", "RPCs answered per second",
+                            load.rpcs_per_s)
+        yield metrics.gauge("tds_dispatcher_refused_per_second", "RPCs refused per second "
+                            "(RESOURCE_EXHAUSTED with a retry-after: over capacity)",
+                            load.refused_per_s)
+        intervals = metrics.gauge(
+            "tds_dispatcher_heartbeat_interval_seconds", "The heartbeat interval the dispatcher "
+            "asks for (dispatcher/cadence.py; 0: the peers' own default)", labels=["peer"])
+        intervals.add_metric(["worker"], load.worker_heartbeat_ms / 1000)
+        intervals.add_metric(["client"], load.client_heartbeat_ms / 1000)
+        yield intervals
         optimal = metrics.gauge(
             "tds_dispatcher_optimal_workers", "Workers that would keep the iteration's "
             "consumers from waiting (dispatcher/status.py)", labels=["iteration"])

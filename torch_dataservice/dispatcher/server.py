@@ -8,6 +8,7 @@ import threading
 import grpc
 
 from torch_dataservice.config import DispatcherConfig
+from torch_dataservice.dispatcher.cadence import QueuedExecutor
 from torch_dataservice.dispatcher.journal import Journal, NullJournal
 from torch_dataservice.dispatcher.observe import DispatcherObserver, collector
 from torch_dataservice.dispatcher.service import DispatcherService
@@ -19,6 +20,10 @@ logger = logging.getLogger(__name__)
 
 DISPATCHER_SERVICE_NAME = "torch_dataservice.v1.DispatcherService"
 REQUEST_OVERHEAD_BYTES = 1 << 20
+# Its handlers share one lock and the GIL: more threads add no CPU, only a convoy whose wait
+# no handler sees. Enough to batch journal fsyncs (group commit); past them, requests wait in
+# the executor's queue, where admission sees how long (dispatcher/cadence.py).
+HANDLER_THREADS = 32
 
 
 def _open_journal(config: DispatcherConfig) -> Journal:
@@ -90,7 +95,8 @@ class DispatchServer:
         # request) are refused by gRPC before they are buffered whole.
         self._server, self._port = start_grpc_server(
             register, self._config.host, self._config.port, tls=self._config.tls,
-            max_receive_bytes=self._config.max_dataset_bytes + REQUEST_OVERHEAD_BYTES)
+            max_receive_bytes=self._config.max_dataset_bytes + REQUEST_OVERHEAD_BYTES,
+            executor=QueuedExecutor(max_workers=HANDLER_THREADS, thread_name_prefix="grpc"))
         health.set_serving(True)  # the journal is replayed: requests see the whole state
         interval = min(self._config.effective_job_gc_check_interval_ms,
                        self._config.effective_worker_timeout_ms // 4 or 1) / 1000

@@ -28,6 +28,7 @@ from torch_dataservice.dispatcher import (
     tasks,
     validation,
 )
+from torch_dataservice.dispatcher.cadence import Cadence, admitted
 from torch_dataservice.dispatcher.effects import Effects
 from torch_dataservice.dispatcher.journal import Journal
 from torch_dataservice.dispatcher.observe import DispatcherObserver, durable
@@ -59,6 +60,9 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         self._worker_timeout_s = config.effective_worker_timeout_ms / 1000
         self._gc_timeout_s = config.effective_job_gc_timeout_ms / 1000
         self._lock = threading.RLock()
+        self._cadence = Cadence(config.effective_heartbeat_budget_rps,
+                                config.effective_max_pending_rpcs)
+        self._views = tasks.ClientViews()  # what every client's reply shares, per change
         self._state = recovery.replay(journal)
         self._soft = SoftState.restored(self._state, clock())
         self._pusher = TaskPusher()
@@ -75,12 +79,25 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
     def close(self) -> None:
         self._pusher.close()
 
+    @property
+    def cadence(self) -> Cadence:
+        return self._cadence
+
+    def _worker_timeout(self) -> float:
+        """worker_timeout_ms, or longer while the fleet is asked to report less often."""
+        return self._cadence.timeout_s("worker", self._worker_timeout_s)
+
+    def _client_timeout(self) -> float:
+        """When a silent reader is taken for dead (worker_timeout_ms, or longer: cadence)."""
+        return self._cadence.timeout_s("client", self._worker_timeout_s)
+
     def _apply(self, *updates: Update | None) -> None:
         for update in updates:
             if update is None:
                 continue
             self._journal.append(update)  # durable before any reply: see observe.durable
             self._state.apply(update)
+            self._views.note(update)
             if update.WhichOneof("kind") == "requeue_split":
                 requeue = update.requeue_split
                 self._soft.note_requeued(self._state.iterations[requeue.iteration_id],
@@ -137,6 +154,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             self._apply(Update(create_job=dispatcher_pb2.CreateJob(job_id=job_id, config=config)))
             return dispatcher_pb2.GetOrCreateJobResponse(job_id=job_id)
 
+    @admitted
     @servicer_method
     @durable
     def GetOrCreateIteration(self, request, context):
@@ -171,6 +189,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             created=new)
 
     # ------------------------------------------------------------------ clients
+    @admitted
     @servicer_method
     @durable
     def ClientHeartbeat(self, request, context):
@@ -187,15 +206,17 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             added: list[Update] = []
             if coordinated.is_coordinated(self._state, iteration):
                 added = self._coordinate(iteration, request)
-            held = self._state.is_finished(iteration) and splits.end_held(
-                self._state, self._soft, iteration, self._clock(), self._worker_timeout_s)
-            reply = tasks.client_reply(self._state, iteration,
-                                       self._soft.take_settled(iteration, request.client_id),
+            view = self._views.get(self._state, iteration)
+            held = view.finished and splits.end_held(
+                self._state, self._soft, iteration, self._clock(), self._client_timeout())
+            reply = tasks.client_reply(self._state, iteration, view, request.known_tasks_version,
+                                       self._soft.take_settled(request.client_id),
                                        self._soft.proposals.get(iteration.iteration_id), held)
             if handed_again is not None:
                 reply.declared_silent = True
                 for repetition, index in sorted(handed_again):
                     reply.handed_again.add(repetition=repetition, index=index)
+            reply.next_heartbeat_ms = self._cadence.client_ms
             pushes = self._effects.pushes(added)
         self._pusher.push(pushes)
         return reply
@@ -217,6 +238,8 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         self._observe.client(request.client_id, iteration.iteration_id, request.load,
                              self._clock())
         update = splits.delivered(iteration, request.received)
+        self._soft.note_reported(iteration, request.client_id,
+                                 [(r.split.repetition, r.split.index) for r in request.received])
         if update is not None:
             keys = [(r.split.repetition, r.split.index) for r in update.record_delivered.splits]
             sizes = {key: iteration.produced[key] for key in keys if key in iteration.produced}
@@ -241,6 +264,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         self._observe.release(client_id, iteration.iteration_id, why)
 
     # ------------------------------------------------------------------ workers
+    @admitted
     @servicer_method
     @durable
     def WorkerHeartbeat(self, request, context):
@@ -275,7 +299,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                                                     self._num_workers)
             response = dispatcher_pb2.WorkerHeartbeatResponse(
                 worker_index=self._state.workers[address].index, new_tasks=new,
-                tasks_to_delete=delete)
+                tasks_to_delete=delete, next_heartbeat_ms=self._cadence.worker_ms)
         self._pusher.push(pushes)
         return response
 
@@ -300,6 +324,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         return dispatcher_pb2.WorkerUpdateResponse()
 
     # ------------------------------------------------------------------ splits
+    @admitted
     @servicer_method
     @durable
     def GetSplit(self, request, context):
@@ -329,7 +354,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             try:
                 produce = splits.next_split(self._state, self._soft, iteration,
                                             request.repetition, task, self._clock(),
-                                            self._worker_timeout_s)
+                                            self._client_timeout())
             except NotReadyError:
                 if granted:
                     break
@@ -359,8 +384,10 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
 
     def cluster_status(self) -> status_pb2.GetClusterStatusResponse:
         with self._lock:
-            return status.cluster_status(self._state, self._soft, self._observe, self._clock(),
-                                         self._worker_timeout_s)
+            reply = status.cluster_status(self._state, self._soft, self._observe, self._clock(),
+                                          self._worker_timeout())
+        self._cadence.fill(reply.load)
+        return reply
 
     # ------------------------------------------------------------------ liveness
     def check_liveness(self) -> None:
@@ -369,22 +396,29 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         now = self._clock()
         pushes: list[Push] = []
         with self._lock:
+            self._cadence.update(len(self._state.workers), len(self._state.clients), now)
+            for (kind, peer), when in self._cadence.take_refused_beats().items():
+                seen = self._soft.worker_seen if kind == "worker" else self._soft.client_seen
+                if peer in seen:  # refused for overload is not silent
+                    seen[peer] = max(seen[peer], when)
+            self._views.forget_collected(self._state)
             for address in liveness.silent_workers(self._state, self._soft, now,
-                                                   self._worker_timeout_s):
+                                                   self._worker_timeout()):
                 logger.warning("worker %s missed heartbeats for %.1fs: removed",
                                address, now - self._soft.worker_seen[address])
                 pushes += self._effects.remove_worker(address)
                 del self._soft.worker_seen[address]
             for client_id in liveness.newly_silent_clients(self._state, self._soft, now,
-                                                           self._worker_timeout_s):
+                                                           self._client_timeout()):
                 iteration = self._state.iteration_of_client(client_id)
                 logger.warning("client %d of iteration %d silent for %.1fs: what it did not "
                                "acknowledge goes to the other clients", client_id,
                                iteration.iteration_id, now - self._soft.client_seen[client_id])
                 self._soft.note_silent(client_id, iteration.iteration_id)
                 pushes += self._effects.requeue_unacknowledged(iteration)
-            for client_id in liveness.silent_clients(self._state, self._soft, now,
-                                                     self._gc_timeout_s):
+            for client_id in liveness.silent_clients(
+                    self._state, self._soft, now,
+                    self._cadence.timeout_s("client", self._gc_timeout_s)):
                 self._release_client(client_id, f"silent for "
                                      f"{now - self._soft.client_seen[client_id]:.1f}s: released")
             for iteration in liveness.idle_iterations(self._state, self._soft, now,

@@ -40,12 +40,13 @@ class SoftState:
     # ... and since when a finished iteration's clients wait for its splits to settle before
     # they are told it finished (dispatcher/splits.py end_held).
     end_unsettled_since: dict[int, float] = field(default_factory=dict)
-    # Splits settled per iteration, (repetition, index, elements), for the heartbeat replies
-    # of its clients (they compact what they remember); `settled_base` is the position of the
-    # first one kept, `settled_sent` each client's position. Lost: clients miss compaction.
-    settled: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
-    settled_base: dict[int, int] = field(default_factory=dict)
-    settled_sent: dict[int, int] = field(default_factory=dict)
+    # Splits settled, (repetition, index, elements), for the next heartbeat reply of each
+    # client that reported receiving some of them (it compacts what it remembers; a client
+    # holds nothing of the others). `settle_watch`: per iteration, the clients that reported
+    # each split not settled yet. Per report, not per client: a thousand readers must not
+    # each hear of every split. Lost: clients miss compaction.
+    settle_news: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
+    settle_watch: dict[int, dict[tuple[int, int], set[int]]] = field(default_factory=dict)
     # Coordinated reads: per iteration, consumer index -> (round it is blocked at on a lost
     # task, removals it knew then). Blocked consumers report in every heartbeat.
     blocked: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
@@ -117,36 +118,38 @@ class SoftState:
         self.client_fenced.pop(client_id, None)
         self.silent_clients.discard(client_id)
         self.requeued_since_heartbeat.pop(client_id, None)
-        self.settled_sent.pop(client_id, None)
+        self.settle_news.pop(client_id, None)
         if not iteration.client_ids:
-            self.settled.pop(iteration.iteration_id, None)
-            self.settled_base.pop(iteration.iteration_id, None)
+            self.settle_watch.pop(iteration.iteration_id, None)
             self.iteration_idle_since[iteration.iteration_id] = now
 
     # ------------------------------------------------------------------ settled splits
+    def note_reported(self, iteration: Iteration, client_id: int,
+                      keys: list[tuple[int, int]]) -> None:
+        """`client_id` reports receiving elements of the splits `keys` (before the report is
+        applied): it hears of their settling, at once for those settled already."""
+        watch = self.settle_watch.setdefault(iteration.iteration_id, {})
+        requeued: set[tuple[int, int]] | None = None  # built only if needed: it may be long
+        for key in keys:
+            if key not in iteration.delivered and requeued is None:
+                requeued = {(split.repetition, split.index) for split in iteration.requeued}
+            if key in iteration.delivered or (requeued is not None and key in requeued):
+                watch.setdefault(key, set()).add(client_id)
+            elif key in iteration.sizes:
+                self.settle_news.setdefault(client_id, []).append((*key, iteration.sizes[key]))
+
     def note_settled(self, iteration: Iteration, sizes: dict[tuple[int, int], int]) -> None:
-        """Log the splits among `sizes` (key -> elements) that the last update settled."""
-        if not iteration.client_ids:
-            return  # nobody to tell; a client that joins later starts at the log's end
-        log = self.settled.setdefault(iteration.iteration_id, [])
+        """Tell the clients that reported them of the splits among `sizes` (key -> elements)
+        that the last update settled."""
+        watch = self.settle_watch.get(iteration.iteration_id)
+        if not watch:
+            return
         for key, size in sizes.items():
             if key not in iteration.delivered:
-                log.append((*key, size))
+                for client_id in watch.pop(key, ()):
+                    if client_id in iteration.client_ids:
+                        self.settle_news.setdefault(client_id, []).append((*key, size))
 
-    def take_settled(self, iteration: Iteration,
-                     client_id: int) -> list[tuple[int, int, int]]:
-        """The settled splits `client_id` was not told of yet; forget what all were told."""
-        iteration_id = iteration.iteration_id
-        log = self.settled.get(iteration_id)
-        if not log:
-            return []
-        base = self.settled_base.get(iteration_id, 0)
-        start = self.settled_sent.get(client_id, base) - base
-        news = log[max(0, start):]
-        self.settled_sent[client_id] = base + len(log)
-        done = min((self.settled_sent.get(c, base) for c in iteration.client_ids),
-                   default=base) - base
-        if done > 0:
-            del log[:done]
-            self.settled_base[iteration_id] = base + done
-        return news
+    def take_settled(self, client_id: int) -> list[tuple[int, int, int]]:
+        """The settled splits `client_id` was not told of yet."""
+        return self.settle_news.pop(client_id, [])

@@ -180,13 +180,35 @@ def produced(iteration: Iteration, task: Task,
 def delivered(iteration: Iteration,
               received: Iterable[dispatcher_pb2.ReceivedSplit]) -> Update | None:
     """Record the offsets a client reports received, for splits that are still tracked."""
-    requeued = {(s.repetition, s.index) for s in iteration.requeued}
-    tracked = [r for r in received
-               if _key(r.split) in iteration.delivered or _key(r.split) in requeued]
+    for report in received:
+        check_ranges(report)
+    untracked = [r for r in received if _key(r.split) not in iteration.delivered]
+    tracked = [r for r in received if _key(r.split) in iteration.delivered]
+    if untracked and iteration.requeued:  # rare: late reports of a dead worker's splits
+        requeued = {(s.repetition, s.index) for s in iteration.requeued}
+        tracked += [r for r in untracked if _key(r.split) in requeued]
     if not tracked:
         return None
     return Update(record_delivered=dispatcher_pb2.RecordDelivered(
         iteration_id=iteration.iteration_id, splits=tracked))
+
+
+MAX_RANGE = 1 << 24  # elements one acknowledged range may span (a split has fewer)
+
+
+def check_ranges(report: dispatcher_pb2.ReceivedSplit) -> None:
+    """ValueError unless `offset_ranges` is [start, end) pairs, each non-empty and at most
+    MAX_RANGE long (the dispatcher keeps every offset of a split not yet settled)."""
+    ranges = report.offset_ranges
+    if len(ranges) % 2:
+        raise ValueError(f"offset_ranges of split {report.split.repetition}/"
+                         f"{report.split.index} has an odd length {len(ranges)}: it holds "
+                         "[start, end) pairs")
+    for start, end in zip(ranges[::2], ranges[1::2], strict=True):
+        if not 0 < end - start <= MAX_RANGE:
+            raise ValueError(f"offset range [{start}, {end}) of split "
+                             f"{report.split.repetition}/{report.split.index} must hold 1 to "
+                             f"{MAX_RANGE} offsets")
 
 
 def requeue(tasks: Iterable[Task]) -> list[Update]:

@@ -8,7 +8,7 @@ clients 3000, tasks 4000, jobs 5000) so an id in a log line says what it is.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from torch_dataservice.dispatcher import resume
@@ -18,6 +18,18 @@ from torch_dataservice.proto import common_pb2, dispatcher_pb2
 Update = dispatcher_pb2.Update
 
 ID_BASES = {"dataset": 1000, "iteration": 2000, "client": 3000, "task": 4000, "job": 5000}
+
+
+def received_offsets(received: dispatcher_pb2.ReceivedSplit) -> Iterable[int]:
+    """Every offset a ReceivedSplit names: its `offsets` and its [start, end) `offset_ranges`
+    (checked by dispatcher/splits.py before they are journaled)."""
+    ranges = received.offset_ranges
+    if not ranges:
+        return received.offsets
+    offsets = list(received.offsets)
+    for start, end in zip(ranges[::2], ranges[1::2], strict=True):
+        offsets.extend(range(start, end))
+    return offsets
 
 
 class InvalidTransition(RuntimeError):
@@ -257,14 +269,15 @@ class DispatcherState:
             key = (received.split.repetition, received.split.index)
             offsets = iteration.delivered.get(key)
             if offsets is not None:
-                offsets.update(received.offsets)
+                offsets.update(received_offsets(received))
                 self._settle_if_delivered(iteration, key)
                 continue
             # Still waiting to be handed again: what arrives late still counts as delivered.
             for i, split in enumerate(iteration.requeued):
                 if (split.repetition, split.index) == key:
                     iteration.requeued[i] = RequeuedSplit(
-                        key[0], key[1], split.delivered_offsets | frozenset(received.offsets))
+                        key[0], key[1],
+                        split.delivered_offsets | frozenset(received_offsets(received)))
         # Reports about settled or unknown splits change nothing: they were delivered already.
 
     def _apply_split_produced(self, u: dispatcher_pb2.SplitProduced) -> None:

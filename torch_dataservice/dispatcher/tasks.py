@@ -6,7 +6,9 @@ decision take consecutive ids from the state's counter, in the order they are re
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from torch_dataservice.dispatcher import splits
@@ -86,19 +88,70 @@ def task_infos(state: DispatcherState, iteration: Iteration) -> Iterator[common_
         yield info
 
 
-def client_reply(state: DispatcherState, iteration: Iteration,
-                 settled: Iterable[tuple[int, int, int]], proposal: Any = None,
+@dataclass(frozen=True)
+class ClientView:
+    """What every heartbeating client of one iteration is told alike, at one version."""
+
+    version: int
+    finished: bool
+    lost_task_ids: tuple[int, ...]  # exactly-once DYNAMIC only
+    tasks: tuple[common_pb2.TaskInfo, ...]
+
+
+# Updates that may change a ClientView: workers and tasks that come and go, and requeued
+# splits (an iteration holding some is not finished). Not the per-split traffic of DYNAMIC
+# reads, nor clients that join or leave (a thousand readers joining must not each make every
+# other reader's next reply carry the whole task list).
+_VIEW_CHANGES = frozenset({"register_worker", "remove_worker", "create_task", "finish_task",
+                           "garbage_collect_iteration", "remove_round_tasks", "requeue_split"})
+
+
+class ClientViews:
+    """ClientViews per iteration, rebuilt only after an update that may change them (a worker
+    or task came or went), not per heartbeat: with a thousand workers, listing the tasks for
+    every reader's heartbeat would take most of the dispatcher's CPU."""
+
+    def __init__(self) -> None:
+        # Versions of a restarted dispatcher never repeat an old one a client may hold.
+        self._version = random.getrandbits(29) << 32
+        self._views: dict[int, ClientView] = {}
+
+    def note(self, update: Update) -> None:
+        """`update` was applied to the state."""
+        kind = update.WhichOneof("kind")
+        if kind in _VIEW_CHANGES or (kind == "produce_split" and update.produce_split.requeued):
+            self._version += 1
+
+    def get(self, state: DispatcherState, iteration: Iteration) -> ClientView:
+        view = self._views.get(iteration.iteration_id)
+        if view is None or view.version != self._version:
+            lost = (tuple(sorted(splits.lost_tasks(state, iteration)))
+                    if splits.is_exactly_once(state, iteration) else ())
+            view = self._views[iteration.iteration_id] = ClientView(
+                self._version, state.is_finished(iteration), lost,
+                tuple(task_infos(state, iteration)))
+        return view
+
+    def forget_collected(self, state: DispatcherState) -> None:
+        for iteration_id in [i for i in self._views if i not in state.iterations
+                             or state.iterations[i].garbage_collected]:
+            del self._views[iteration_id]
+
+
+def client_reply(state: DispatcherState, iteration: Iteration, view: ClientView,
+                 known_version: int, settled: Iterable[tuple[int, int, int]],
+                 proposal: Any = None,
                  end_held: bool = False) -> dispatcher_pb2.ClientHeartbeatResponse:
-    """What a heartbeating client of `iteration` learns: its tasks, whether the iteration
-    finished (not while `end_held`: see splits.end_held), the lost tasks to fence and the
-    splits settled (exactly-once DYNAMIC), the removals and the proposed addition round
-    (`proposal`) of coordinated reads."""
+    """What a heartbeating client of `iteration` learns: its tasks (unless it holds the
+    view's version: coordinated reads always get them), whether the iteration finished (not
+    while `end_held`: see splits.end_held), the lost tasks to fence and the splits settled
+    (exactly-once DYNAMIC), the removals and the proposed addition round (`proposal`) of
+    coordinated reads."""
     reply = dispatcher_pb2.ClientHeartbeatResponse(
-        iteration_finished=state.is_finished(iteration) and not end_held)
+        iteration_finished=view.finished and not end_held, tasks_version=view.version)
     if proposal is not None:
         reply.addition_round = proposal.round
-    if splits.is_exactly_once(state, iteration):
-        reply.lost_task_ids.extend(sorted(splits.lost_tasks(state, iteration)))
+    reply.lost_task_ids.extend(view.lost_task_ids)
     for repetition, index, size in settled:
         reply.settled.add(split=common_pb2.SplitKey(repetition=repetition, index=index),
                           num_elements=size)
@@ -107,7 +160,10 @@ def client_reply(state: DispatcherState, iteration: Iteration,
     if is_coordinated(state, iteration):
         for removal_round, task_ids in iteration.removals:
             reply.removals.add(round=removal_round, task_ids=task_ids)
-    reply.tasks.extend(task_infos(state, iteration))
+    elif known_version == view.version:
+        reply.tasks_unchanged = True
+        return reply
+    reply.tasks.extend(view.tasks)
     return reply
 
 

@@ -22,8 +22,13 @@ def as_json(reply: status_pb2.GetClusterStatusResponse) -> str:
 
 
 def as_text(reply: status_pb2.GetClusterStatusResponse, dispatcher: str) -> str:
+    load = reply.load
     lines = [f"dispatcher {dispatcher}   version {reply.version} (protocol {reply.protocol})"
-             f"   up {duration(reply.uptime_s)}", ""]
+             f"   up {duration(reply.uptime_s)}",
+             f"load {load.cores:.2f} cores, {rate(load.rpcs_per_s)} RPC/s answered, "
+             f"{rate(load.refused_per_s)}/s refused (over capacity)   heartbeat intervals: "
+             f"workers {_interval(load.worker_heartbeat_ms)}, readers "
+             f"{_interval(load.client_heartbeat_ms)}", ""]
     lines += _section(f"WORKERS ({len(reply.workers)})", (
         "ADDRESS", "STATE", "HEARTBEAT", "TASKS", "ELEMENTS/S", "BYTES/S", "SENT",
         "BUFFERED", "CAPACITY/S"), [
@@ -48,6 +53,11 @@ def as_text(reply: status_pb2.GetClusterStatusResponse, dispatcher: str) -> str:
          f"{c.heartbeat_age_s:.1f}s ago")
         for c in reply.clients])
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _interval(ms: int) -> str:
+    """An interval in force (0: the peers' own defaults, the fleet is small)."""
+    return f"{ms / 1000:g}s" if ms else "default"
 
 
 def _section(title: str, header: Sequence[str], rows: list[Sequence[str]]) -> list[str]:

@@ -71,7 +71,7 @@ class GetOrCreateIterationResponse(_message.Message):
     def __init__(self, iteration_id: _Optional[int] = ..., client_id: _Optional[int] = ..., repetition: _Optional[int] = ..., created: _Optional[bool] = ...) -> None: ...
 
 class ClientHeartbeatRequest(_message.Message):
-    __slots__ = ("client_id", "current_round", "received", "blocked_round", "consumer_index", "removals_seen", "consumer_done", "fenced_tasks", "ready_round", "load")
+    __slots__ = ("client_id", "current_round", "received", "blocked_round", "consumer_index", "removals_seen", "consumer_done", "fenced_tasks", "ready_round", "known_tasks_version", "load")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class ClientHeartbeatRequest(_message.Message):
     CONSUMER_DONE_FIELD_NUMBER: _ClassVar[int]
     FENCED_TASKS_FIELD_NUMBER: _ClassVar[int]
     READY_ROUND_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_TASKS_VERSION_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     client_id: int
     current_round: int
@@ -91,21 +92,24 @@ class ClientHeartbeatRequest(_message.Message):
     consumer_done: bool
     fenced_tasks: _containers.RepeatedScalarFieldContainer[int]
     ready_round: int
+    known_tasks_version: int
     load: _status_pb2.ClientLoad
-    def __init__(self, client_id: _Optional[int] = ..., current_round: _Optional[int] = ..., received: _Optional[_Iterable[_Union[ReceivedSplit, _Mapping]]] = ..., blocked_round: _Optional[int] = ..., consumer_index: _Optional[int] = ..., removals_seen: _Optional[int] = ..., consumer_done: _Optional[bool] = ..., fenced_tasks: _Optional[_Iterable[int]] = ..., ready_round: _Optional[int] = ..., load: _Optional[_Union[_status_pb2.ClientLoad, _Mapping]] = ...) -> None: ...
+    def __init__(self, client_id: _Optional[int] = ..., current_round: _Optional[int] = ..., received: _Optional[_Iterable[_Union[ReceivedSplit, _Mapping]]] = ..., blocked_round: _Optional[int] = ..., consumer_index: _Optional[int] = ..., removals_seen: _Optional[int] = ..., consumer_done: _Optional[bool] = ..., fenced_tasks: _Optional[_Iterable[int]] = ..., ready_round: _Optional[int] = ..., known_tasks_version: _Optional[int] = ..., load: _Optional[_Union[_status_pb2.ClientLoad, _Mapping]] = ...) -> None: ...
 
 class ReceivedSplit(_message.Message):
-    __slots__ = ("task_id", "split", "offsets")
+    __slots__ = ("task_id", "split", "offsets", "offset_ranges")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     SPLIT_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_RANGES_FIELD_NUMBER: _ClassVar[int]
     task_id: int
     split: _common_pb2.SplitKey
     offsets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, task_id: _Optional[int] = ..., split: _Optional[_Union[_common_pb2.SplitKey, _Mapping]] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+    offset_ranges: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, task_id: _Optional[int] = ..., split: _Optional[_Union[_common_pb2.SplitKey, _Mapping]] = ..., offsets: _Optional[_Iterable[int]] = ..., offset_ranges: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ClientHeartbeatResponse(_message.Message):
-    __slots__ = ("tasks", "iteration_finished", "error", "settled", "removals", "lost_task_ids", "addition_round", "declared_silent", "handed_again")
+    __slots__ = ("tasks", "iteration_finished", "error", "settled", "removals", "lost_task_ids", "addition_round", "declared_silent", "handed_again", "next_heartbeat_ms", "tasks_version", "tasks_unchanged")
     TASKS_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FINISHED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +119,9 @@ class ClientHeartbeatResponse(_message.Message):
     ADDITION_ROUND_FIELD_NUMBER: _ClassVar[int]
     DECLARED_SILENT_FIELD_NUMBER: _ClassVar[int]
     HANDED_AGAIN_FIELD_NUMBER: _ClassVar[int]
+    NEXT_HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
+    TASKS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TASKS_UNCHANGED_FIELD_NUMBER: _ClassVar[int]
     tasks: _containers.RepeatedCompositeFieldContainer[_common_pb2.TaskInfo]
     iteration_finished: bool
     error: str
@@ -124,7 +131,10 @@ class ClientHeartbeatResponse(_message.Message):
     addition_round: int
     declared_silent: bool
     handed_again: _containers.RepeatedCompositeFieldContainer[_common_pb2.SplitKey]
-    def __init__(self, tasks: _Optional[_Iterable[_Union[_common_pb2.TaskInfo, _Mapping]]] = ..., iteration_finished: _Optional[bool] = ..., error: _Optional[str] = ..., settled: _Optional[_Iterable[_Union[SettledSplit, _Mapping]]] = ..., removals: _Optional[_Iterable[_Union[_common_pb2.RemovedTasks, _Mapping]]] = ..., lost_task_ids: _Optional[_Iterable[int]] = ..., addition_round: _Optional[int] = ..., declared_silent: _Optional[bool] = ..., handed_again: _Optional[_Iterable[_Union[_common_pb2.SplitKey, _Mapping]]] = ...) -> None: ...
+    next_heartbeat_ms: int
+    tasks_version: int
+    tasks_unchanged: bool
+    def __init__(self, tasks: _Optional[_Iterable[_Union[_common_pb2.TaskInfo, _Mapping]]] = ..., iteration_finished: _Optional[bool] = ..., error: _Optional[str] = ..., settled: _Optional[_Iterable[_Union[SettledSplit, _Mapping]]] = ..., removals: _Optional[_Iterable[_Union[_common_pb2.RemovedTasks, _Mapping]]] = ..., lost_task_ids: _Optional[_Iterable[int]] = ..., addition_round: _Optional[int] = ..., declared_silent: _Optional[bool] = ..., handed_again: _Optional[_Iterable[_Union[_common_pb2.SplitKey, _Mapping]]] = ..., next_heartbeat_ms: _Optional[int] = ..., tasks_version: _Optional[int] = ..., tasks_unchanged: _Optional[bool] = ...) -> None: ...
 
 class SettledSplit(_message.Message):
     __slots__ = ("split", "num_elements")
@@ -187,14 +197,16 @@ class WorkerHeartbeatRequest(_message.Message):
     def __init__(self, worker_address: _Optional[str] = ..., worker_uid: _Optional[int] = ..., current_tasks: _Optional[_Iterable[int]] = ..., host_id: _Optional[str] = ..., process_id: _Optional[str] = ..., data_port: _Optional[int] = ..., data_socket: _Optional[str] = ..., build: _Optional[_Union[_common_pb2.BuildInfo, _Mapping]] = ..., leaving: _Optional[bool] = ..., load: _Optional[_Union[_status_pb2.WorkerLoad, _Mapping]] = ...) -> None: ...
 
 class WorkerHeartbeatResponse(_message.Message):
-    __slots__ = ("new_tasks", "tasks_to_delete", "worker_index")
+    __slots__ = ("new_tasks", "tasks_to_delete", "worker_index", "next_heartbeat_ms")
     NEW_TASKS_FIELD_NUMBER: _ClassVar[int]
     TASKS_TO_DELETE_FIELD_NUMBER: _ClassVar[int]
     WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NEXT_HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
     new_tasks: _containers.RepeatedCompositeFieldContainer[_common_pb2.TaskDef]
     tasks_to_delete: _containers.RepeatedScalarFieldContainer[int]
     worker_index: int
-    def __init__(self, new_tasks: _Optional[_Iterable[_Union[_common_pb2.TaskDef, _Mapping]]] = ..., tasks_to_delete: _Optional[_Iterable[int]] = ..., worker_index: _Optional[int] = ...) -> None: ...
+    next_heartbeat_ms: int
+    def __init__(self, new_tasks: _Optional[_Iterable[_Union[_common_pb2.TaskDef, _Mapping]]] = ..., tasks_to_delete: _Optional[_Iterable[int]] = ..., worker_index: _Optional[int] = ..., next_heartbeat_ms: _Optional[int] = ...) -> None: ...
 
 class WorkerUpdateRequest(_message.Message):
     __slots__ = ("worker_address", "completed_tasks")

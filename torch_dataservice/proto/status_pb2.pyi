@@ -41,20 +41,38 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetClusterStatusResponse(_message.Message):
-    __slots__ = ("uptime_s", "version", "protocol", "workers", "iterations", "clients")
+    __slots__ = ("uptime_s", "version", "protocol", "workers", "iterations", "clients", "load")
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     uptime_s: float
     version: str
     protocol: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     iterations: _containers.RepeatedCompositeFieldContainer[IterationStatus]
     clients: _containers.RepeatedCompositeFieldContainer[ClientStatus]
-    def __init__(self, uptime_s: _Optional[float] = ..., version: _Optional[str] = ..., protocol: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., iterations: _Optional[_Iterable[_Union[IterationStatus, _Mapping]]] = ..., clients: _Optional[_Iterable[_Union[ClientStatus, _Mapping]]] = ...) -> None: ...
+    load: DispatcherLoad
+    def __init__(self, uptime_s: _Optional[float] = ..., version: _Optional[str] = ..., protocol: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., iterations: _Optional[_Iterable[_Union[IterationStatus, _Mapping]]] = ..., clients: _Optional[_Iterable[_Union[ClientStatus, _Mapping]]] = ..., load: _Optional[_Union[DispatcherLoad, _Mapping]] = ...) -> None: ...
+
+class DispatcherLoad(_message.Message):
+    __slots__ = ("cores", "rpcs_per_s", "refused_per_s", "worker_heartbeat_ms", "client_heartbeat_ms", "stretch")
+    CORES_FIELD_NUMBER: _ClassVar[int]
+    RPCS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_PER_S_FIELD_NUMBER: _ClassVar[int]
+    WORKER_HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
+    STRETCH_FIELD_NUMBER: _ClassVar[int]
+    cores: float
+    rpcs_per_s: float
+    refused_per_s: float
+    worker_heartbeat_ms: int
+    client_heartbeat_ms: int
+    stretch: float
+    def __init__(self, cores: _Optional[float] = ..., rpcs_per_s: _Optional[float] = ..., refused_per_s: _Optional[float] = ..., worker_heartbeat_ms: _Optional[int] = ..., client_heartbeat_ms: _Optional[int] = ..., stretch: _Optional[float] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("address", "state", "heartbeat_age_s", "tasks", "elements_per_s", "bytes_per_s", "elements_sent", "bytes_sent", "buffered_elements", "capacity_per_s")

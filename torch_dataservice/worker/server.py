@@ -12,7 +12,7 @@ import grpc
 from torch_dataservice import auth
 from torch_dataservice.config import PORT_PLACEHOLDER, WorkerConfig
 from torch_dataservice.observability.metrics import Collector, MetricsEndpoint, new_registry
-from torch_dataservice.rpc import WORKER_SERVICE_NAME, is_version_mismatch
+from torch_dataservice.rpc import WORKER_SERVICE_NAME, is_version_mismatch, overload_backoff_s
 from torch_dataservice.serving import BackgroundLoop, Health, advertised_host, start_grpc_server
 from torch_dataservice.wire import inprocess
 from torch_dataservice.worker import metrics
@@ -179,6 +179,7 @@ class WorkerServer:
         if self.refused is not None or self._tasks is None:
             return
         data_port = self._data_port
+        heartbeat = self._heartbeat
         try:
             response = self._dispatcher.heartbeat(
                 task_ids=self._tasks.task_ids(),
@@ -188,6 +189,11 @@ class WorkerServer:
                 data_port=data_port.port if data_port is not None else 0,
                 data_socket=data_port.socket_path if data_port is not None else "")
         except grpc.RpcError as error:
+            backoff = overload_backoff_s(error, f"worker {self._address} heartbeat")
+            if backoff is not None:
+                if heartbeat is not None:
+                    heartbeat.interval_s = backoff
+                return
             details = error.details() or ""
             tls = (auth.plaintext_against_tls(details)
                    if error.code() == grpc.StatusCode.UNAVAILABLE and "Socket closed" in details
@@ -199,6 +205,9 @@ class WorkerServer:
                 self._stopped.set()
                 return
             raise
+        if heartbeat is not None:  # as the dispatcher asks (dispatcher/cadence.py)
+            heartbeat.interval_s = (response.next_heartbeat_ms
+                                    or self._config.effective_heartbeat_interval_ms) / 1000
         for task in response.new_tasks:
             self._tasks.add(task)
         for task_id in response.tasks_to_delete:

@@ -1,0 +1,225 @@
+"""The heartbeat economy with no servers: intervals sized to the fleet and told in replies,
+liveness timeouts that grow with them, admission past capacity, acknowledgements as ranges."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dispatcher.builders import (
+    Clock,
+    Context,
+    client_request,
+    get_split,
+    heartbeat_worker,
+    make_service,
+    start_epoch,
+    task_of,
+)
+from torch_dataservice.client.delivery import to_ranges
+from torch_dataservice.dispatcher import cadence
+from torch_dataservice.proto import common_pb2, dispatcher_pb2
+
+pb = dispatcher_pb2
+
+
+def grow(service, workers: int, clients: int, job_id: int | None = None) -> None:
+    for i in range(workers):
+        heartbeat_worker(service, f"10.0.{i // 250}.{i % 250}:1")
+    for _ in range(clients):
+        service.GetOrCreateIteration(pb.GetOrCreateIterationRequest(job_id=job_id), None)
+
+
+def test_small_fleets_keep_their_own_intervals_and_big_ones_report_less_often() -> None:
+    assert cadence.population_stretch(10, 10, 500) == 1.0
+    assert cadence.interval_ms(cadence.CLIENT_DEFAULT_S, 1.0) == 0  # 0: the peer's default
+    stretches = [cadence.population_stretch(n, 4 * n, 500) for n in (50, 200, 1000)]
+    assert stretches == sorted(stretches) and stretches[0] > 1.0
+    # Within the budget wherever the caps allow it.
+    s = cadence.population_stretch(100, 400, 500)
+    assert 100 / (0.5 * s) + 400 / (0.1 * s) == pytest.approx(500, rel=1e-3)
+    assert cadence.interval_ms(cadence.WORKER_DEFAULT_S, 1e6) == 5000  # capped
+
+
+def test_the_reply_tells_an_interval_that_grows_with_the_population() -> None:
+    clock = Clock()
+    service = make_service(clock)
+    iteration_id, client = start_epoch(service, workers=())
+    job_id = service.state.iteration(iteration_id).job_id
+    asked = []
+    for workers, clients in ((10, 10), (200, 200), (1000, 1000)):
+        grow(service, workers - len(service.state.workers),
+             clients - len(service.state.clients), job_id)
+        service.check_liveness()  # re-sizes the intervals
+        worker_ms = heartbeat_worker(service, "10.0.0.0:1").next_heartbeat_ms
+        client_ms = service.ClientHeartbeat(client_request(service, client),
+                                            None).next_heartbeat_ms
+        asked.append((worker_ms, client_ms))
+    assert asked[0] == (0, 0)  # 10 + 10: today's intervals, today's reaction
+    assert 0 < asked[1][0] < asked[2][0] and 0 < asked[1][1] < asked[2][1]
+    load = service.cluster_status().load
+    assert (load.worker_heartbeat_ms, load.client_heartbeat_ms) == asked[2]
+    service.close()
+
+
+def test_a_dead_worker_is_noticed_within_30_s_at_1000_workers_and_as_fast_as_ever_at_10() -> None:
+    for workers, latest in ((10, 1.0), (1000, 30.0)):
+        clock = Clock()
+        service = make_service(clock, worker_timeout_ms=1000)
+        grow(service, workers, 0)
+        service.check_liveness()
+        interval = service.cadence.worker_ms / 1000 or 0.5
+        dead = "10.0.0.0:1"
+        addresses = sorted(service.state.workers)
+        # Each live worker reports once per interval, at its own phase.
+        due = {a: i * interval / len(addresses) for i, a in enumerate(addresses) if a != dead}
+        noticed = None
+        while noticed is None and clock.now < 60:
+            clock.now += 0.25
+            for address, when in due.items():
+                if when <= clock.now:
+                    heartbeat_worker(service, address)
+                    due[address] = when + interval
+            service.check_liveness()
+            if dead not in service.state.workers:
+                noticed = clock.now
+        # Live workers reporting at the stretched interval are never taken for dead.
+        assert len(service.state.workers) == workers - 1
+        assert noticed is not None and noticed <= latest + 0.5, (workers, noticed)
+        service.close()
+
+
+def test_past_capacity_heartbeats_are_refused_first_and_registration_never() -> None:
+    meter = cadence.Cadence(budget_rps=500, max_pending=4)
+    assert meter.admit("GetSplit") is None and meter.admit("GetSplit") is None
+    assert meter.admit("ClientHeartbeat") == pytest.approx(cadence.CLIENT_DEFAULT_S)
+    assert meter.admit("WorkerHeartbeat") == pytest.approx(cadence.WORKER_DEFAULT_S)
+    assert meter.admit("GetSplit") is None and meter.admit("GetSplit") is None
+    assert meter.admit("GetSplit") == pytest.approx(cadence.SPLIT_RETRY_AFTER_S)
+    assert meter.admit("GetOrRegisterDataset") is None  # rare and needed: always served
+    for _ in range(5):
+        meter.done()
+    # A request that waited long for a handler thread is refused at once: what is served
+    # is served fast. Heartbeats wait half as long.
+    assert meter.admit("GetSplit", queued_s=2 * cadence.MAX_QUEUED_S) is not None
+    assert meter.admit("WorkerHeartbeat", queued_s=0.6 * cadence.MAX_QUEUED_S) is not None
+    assert meter.admit("GetSplit", queued_s=0.6 * cadence.MAX_QUEUED_S) is None
+    meter.done()
+    meter.update(1, 1, now=1.0)  # refusals stretch the intervals of even a small fleet
+    assert meter.load > 1.0 and meter.client_ms > 0
+    meter.update(1, 1, now=2.0)
+    meter.update(1, 1, now=3.0)
+    assert meter.load < 1.5
+
+
+class Refused(Exception):
+    pass
+
+
+class RecordingContext(Context):
+    def set_trailing_metadata(self, metadata) -> None:
+        self.metadata = dict(metadata)
+
+    def abort(self, code, details) -> None:
+        self.code = code
+        raise Refused(f"{code.name}: {details}")
+
+
+def test_a_refused_request_carries_its_retry_after_in_the_trailing_metadata() -> None:
+    service = make_service(Clock(), max_pending_rpcs=1)
+    iteration_id, client = start_epoch(service)
+    service.cadence.pending = 1  # one request in the handlers already
+    context = RecordingContext()
+    with pytest.raises(Refused, match="over its capacity"):
+        service.ClientHeartbeat(client_request(service, client), context)
+    assert context.code.name == "RESOURCE_EXHAUSTED"
+    assert int(context.metadata["x-torch-dataservice-retry-after-ms"]) >= 100
+    service.close()
+
+
+def test_offsets_travel_as_ranges() -> None:
+    assert to_ranges([]) == []
+    assert to_ranges([3, 0, 1, 2, 7, 9, 8, 2]) == [0, 4, 7, 10]
+    assert to_ranges(range(10_000)) == [0, 10_000]
+
+
+def test_a_range_acknowledgement_settles_a_split_and_a_bad_range_is_refused() -> None:
+    service = make_service(Clock())
+    iteration_id, client = start_epoch(service, workers=("a:1",))
+    a = task_of(service, iteration_id, "a:1")
+    assert get_split(service, iteration_id, a).split_index == 0
+    assert get_split(service, iteration_id, a, finished=(0, 0, 5)).split_index == 1
+    request = client_request(service, client)
+    request.received.add(split=common_pb2.SplitKey(repetition=0, index=0),
+                         offset_ranges=[0, 2, 2, 5])
+    reply = service.ClientHeartbeat(request, None)
+    assert [(s.split.index, s.num_elements) for s in reply.settled] == [(0, 5)]
+    assert (0, 0) not in service.state.iteration(iteration_id).delivered
+    for ranges in ([0], [3, 3], [0, 1 + (1 << 24)]):
+        bad = client_request(service, client)
+        bad.received.add(split=common_pb2.SplitKey(repetition=0, index=1), offset_ranges=ranges)
+        with pytest.raises(RuntimeError, match="INVALID_ARGUMENT: .*offset"):
+            service.ClientHeartbeat(bad, Context())
+    service.close()
+
+
+def test_an_unchanged_task_list_is_not_sent_again() -> None:
+    service = make_service(Clock())
+    iteration_id, client = start_epoch(service)
+    first = service.ClientHeartbeat(client_request(service, client), None)
+    assert len(first.tasks) == 2 and not first.tasks_unchanged
+    request = client_request(service, client)
+    request.known_tasks_version = first.tasks_version
+    again = service.ClientHeartbeat(request, None)
+    assert again.tasks_unchanged and not again.tasks
+    assert again.tasks_version == first.tasks_version
+    service.GetOrCreateIteration(pb.GetOrCreateIterationRequest(  # a reader joins: no change
+        job_id=service.state.iteration(iteration_id).job_id), None)
+    assert service.ClientHeartbeat(request, None).tasks_unchanged
+    heartbeat_worker(service, "c:1")  # a worker joins: the list changed
+    changed = service.ClientHeartbeat(request, None)
+    assert not changed.tasks_unchanged and len(changed.tasks) == 3
+    service.close()
+
+
+def test_a_settled_split_is_told_to_the_clients_that_reported_it_not_to_every_client() -> None:
+    service = make_service(Clock())
+    iteration_id, client = start_epoch(service, workers=("a:1",))
+    job_id = service.state.iteration(iteration_id).job_id
+    bystander, late = (service.GetOrCreateIteration(
+        pb.GetOrCreateIterationRequest(job_id=job_id), None).client_id for _ in range(2))
+    a = task_of(service, iteration_id, "a:1")
+    get_split(service, iteration_id, a)
+    get_split(service, iteration_id, a, finished=(0, 0, 3))
+
+    def beat(client_id: int, ranges=()) -> pb.ClientHeartbeatResponse:
+        request = client_request(service, client_id)
+        if ranges:
+            request.received.add(split=common_pb2.SplitKey(repetition=0, index=0),
+                                 offset_ranges=ranges)
+        return service.ClientHeartbeat(request, None)
+
+    assert [s.split.index for s in beat(client, (0, 3)).settled] == [0]
+    assert not beat(bystander).settled  # it holds nothing of split 0: nothing to compact
+    # Elements of a split settled meanwhile (handed again elsewhere): told at once.
+    assert [s.num_elements for s in beat(late, (1, 2)).settled] == [3]
+    service.close()
+
+
+def test_a_peer_whose_heartbeats_are_refused_for_overload_is_not_taken_for_dead() -> None:
+    clock = Clock()
+    service = make_service(clock, worker_timeout_ms=1000, max_pending_rpcs=1)
+    iteration_id, client = start_epoch(service, workers=("refused:1", "silent:1"))
+    service.cadence.pending = 1  # busy: every heartbeat is refused from now on
+    # Refusing stretches the intervals, and the timeouts with them (at most 20 s).
+    for _ in range(60):
+        clock.now += 0.5
+        with pytest.raises(Refused, match="RESOURCE_EXHAUSTED"):
+            service.WorkerHeartbeat(pb.WorkerHeartbeatRequest(
+                worker_address="refused:1", worker_uid=1), RecordingContext())
+        with pytest.raises(Refused, match="RESOURCE_EXHAUSTED"):
+            service.ClientHeartbeat(client_request(service, client), RecordingContext())
+        service.check_liveness()
+    assert list(service.state.workers) == ["refused:1"]  # the silent one is gone
+    assert client not in service._soft.silent_clients  # noqa: SLF001
+    service.cadence.pending = 0
+    service.close()

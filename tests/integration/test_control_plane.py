@@ -1,0 +1,142 @@
+"""The control plane under load, on real servers: peers report at the interval the dispatcher
+asks for; past its capacity it refuses with a retry-after and readers still finish, exactly once;
+acknowledgements reach the journal as ranges."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import torch_dataservice as tds
+from tests.conftest import wait_until
+from tests.observability.test_metrics import scrape
+from torch_dataservice import rpc
+from torch_dataservice.client.membership import Membership
+from torch_dataservice.dispatcher.file_journal import FileJournal
+from torch_dataservice.observability.status_text import as_text
+from torch_dataservice.policies import ShardingPolicy
+from torch_dataservice.proto import common_pb2
+
+pytestmark = pytest.mark.integration
+
+N = 1200
+
+
+def read_together(target: str, job_name: str, readers: int) -> list[list[int]]:
+    """`readers` readers sharing one DYNAMIC job; what each yielded."""
+    out: list[list[int]] = [[] for _ in range(readers)]
+    errors: list[BaseException] = []
+
+    def read(index: int) -> None:
+        try:
+            out[index] = list(tds.Pipeline.range(N).with_split_size(20).apply(tds.distribute(
+                "distributed_epoch", target, job_name=job_name, target_workers="ANY")))
+        except BaseException as error:  # noqa: BLE001 - re-raised below
+            errors.append(error)
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(readers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(90)
+    assert not any(t.is_alive() for t in threads), "a reader did not finish"
+    assert not errors, errors
+    return out
+
+
+def assert_exactly_once(parts: list[list[int]]) -> None:
+    read = sorted(x for part in parts for x in part)
+    assert read == list(range(N)), f"{len(read)} elements, {len(set(read))} distinct"
+
+
+@pytest.mark.timeout(60)
+def test_workers_and_readers_report_at_the_interval_the_dispatcher_asks(cluster_factory) -> None:
+    # A budget of 2 heartbeats/s for 1 worker + 1 reader (12/s at the default intervals):
+    # the dispatcher stretches both intervals sixfold: 3 s and 600 ms.
+    cluster = cluster_factory(num_workers=1, heartbeat_budget_rps=2, metrics_port=0)
+    dataset_id = tds.register_dataset(cluster.target, tds.Pipeline.range(N))
+    membership = Membership(cluster.address, common_pb2.JobConfig(
+        dataset_id=dataset_id, job_name="paced", sharding_policy=int(ShardingPolicy.DYNAMIC),
+        target_workers="ANY"), 0, 10, "ANY", None)
+    beating = threading.Thread(target=membership.heartbeat_loop, daemon=True)
+    beating.start()
+    service = cluster.dispatcher._service  # noqa: SLF001 (introspection)
+    worker = cluster.workers[0]
+    try:
+        wait_until(lambda: membership.interval_s == 0.6
+                   and worker._heartbeat.interval_s == 3.0,  # noqa: SLF001
+                   15, "the reader and the worker to take the intervals asked")
+        calls = dict(service._observe.calls)  # noqa: SLF001
+        time.sleep(3.0)
+        now = dict(service._observe.calls)  # noqa: SLF001
+        client_beats = now["ClientHeartbeat"] - calls["ClientHeartbeat"]
+        worker_beats = now["WorkerHeartbeat"] - calls["WorkerHeartbeat"]
+        # At their own intervals they would have sent 30 (100 ms) and 30 (100 ms) in 3 s.
+        assert 2 <= client_beats <= 8, client_beats
+        assert worker_beats <= 2, worker_beats
+        status = cluster.dispatcher._service.cluster_status()  # noqa: SLF001
+        assert (status.load.worker_heartbeat_ms, status.load.client_heartbeat_ms) == (3000, 600)
+        assert "workers 3s, readers 0.6s" in as_text(status, cluster.address)
+        samples = scrape(cluster.dispatcher.metrics_port)
+        assert samples[("tds_dispatcher_heartbeat_interval_seconds",
+                        (("peer", "client"),))] == pytest.approx(0.6)
+    finally:
+        membership.closed.set()
+        beating.join(5)
+        membership.release()
+
+
+@pytest.mark.timeout(120)
+def test_an_overloaded_dispatcher_refuses_and_its_readers_back_off_and_finish(
+        cluster_factory, caplog, monkeypatch) -> None:
+    cluster = cluster_factory(num_workers=2, max_pending_rpcs=2)
+    service = cluster.dispatcher._service  # noqa: SLF001 (introspection)
+    monkeypatch.setattr(rpc, "_overload_logged", False)
+    stop = threading.Event()
+
+    def busy() -> None:
+        """A long handler, now and then: it holds the dispatcher while requests arrive."""
+        while not stop.is_set():
+            with service._lock:  # noqa: SLF001
+                service.cadence.admit("GetOrRegisterDataset")
+                try:
+                    time.sleep(0.15)
+                finally:
+                    service.cadence.done()
+            time.sleep(0.15)
+
+    hog = threading.Thread(target=busy, daemon=True)
+    hog.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="torch_dataservice.rpc"):
+            parts = read_together(cluster.target, "overloaded", readers=3)
+    finally:
+        stop.set()
+        hog.join(5)
+    assert_exactly_once(parts)
+    assert service.cadence.refused > 0
+    refusals = [r for r in caplog.records if "over its capacity" in r.getMessage()]
+    assert len(refusals) == 1, [r.getMessage() for r in refusals]  # logged once
+
+
+@pytest.mark.timeout(90)
+def test_acknowledgements_reach_the_journal_as_ranges_and_the_read_is_exactly_once(
+        cluster_factory, tmp_path: Path) -> None:
+    cluster = cluster_factory(num_workers=2, fault_tolerant_mode=True, work_dir=str(tmp_path))
+    assert_exactly_once(read_together(cluster.target, "ranges", readers=3))
+    cluster.stop()
+    journal = FileJournal(tmp_path)
+    try:
+        reports = [r for u in journal.replay() if u.WhichOneof("kind") == "record_delivered"
+                   for r in u.record_delivered.splits]
+    finally:
+        journal.close()
+    assert reports and all(r.offset_ranges and not r.offsets for r in reports)
+    acknowledged = sum(b - a for r in reports
+                       for a, b in zip(r.offset_ranges[::2], r.offset_ranges[1::2], strict=True))
+    integers = sum(len(r.offset_ranges) for r in reports)
+    assert acknowledged >= N - 3 * 20 and integers < acknowledged / 2, (acknowledged, integers)

@@ -1,0 +1,226 @@
+"""How often workers and readers report, and when the dispatcher refuses: sized to the fleet.
+
+Workers heartbeat every 500 ms and readers every 100 ms by default, so a small fleet reacts
+fast (tf.data service: workers 30 s, readers 1 s). A big fleet at those rates would take more
+than a core of the dispatcher, so the dispatcher stretches both intervals by one factor until
+the fleet's heartbeat rate fits `heartbeat_budget_rps`, and further while it refuses requests,
+and tells each peer its interval in every reply. Stretching is capped (MAX_INTERVAL_S) and
+the liveness timeouts grow with it (LIVENESS_BEATS intervals), so a dead worker is noticed
+within 30 s at any size. Past its capacity (too many requests in its handlers at once) the
+dispatcher refuses with RESOURCE_EXHAUSTED and a retry-after: heartbeats first, GetSplit only
+well past it, so heartbeats are stretched before splits are delayed. Capacity is measured
+two ways: requests in the handlers at once, and how long a request waited for a handler
+thread (QueuedExecutor): a request that waited past MAX_QUEUED_S is refused at once, so the
+latency of the requests served stays bounded however many arrive.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from torch_dataservice.errors import RETRY_AFTER_KEY
+from torch_dataservice.proto import status_pb2
+
+WORKER_DEFAULT_S = 0.5  # WorkerConfig.effective_heartbeat_interval_ms
+CLIENT_DEFAULT_S = 0.1  # client/membership.py HEARTBEAT_INTERVAL_S
+MAX_INTERVAL_S = 5.0  # either kind, however big the fleet
+LIVENESS_BEATS = 4  # a peer is silent after this many missed intervals (or the timeout)
+MAX_LOAD_STRETCH = 8.0
+REFUSED_SHARE = 0.01  # refusing more than this share of requests stretches the intervals
+SPLIT_RETRY_AFTER_S = 0.2
+# A request that waited this long for a handler thread is refused (heartbeats at half of it).
+MAX_QUEUED_S = 0.1
+# The RPCs refused first (at half the capacity): what a stretched interval makes up for.
+HEARTBEATS = frozenset({"ClientHeartbeat", "WorkerHeartbeat"})
+# Refused at full capacity; every other RPC (registration, release, status) is always served.
+SHEDDABLE = HEARTBEATS | {"GetSplit", "GetOrCreateIteration"}
+
+
+def population_stretch(workers: int, clients: int, budget_rps: float) -> float:
+    """The least factor >= 1 by which stretching both default intervals keeps the fleet's
+    heartbeat rate within `budget_rps` (the largest useful one when the caps forbid it)."""
+
+    def rate(stretch: float) -> float:
+        return (workers / min(WORKER_DEFAULT_S * stretch, MAX_INTERVAL_S)
+                + clients / min(CLIENT_DEFAULT_S * stretch, MAX_INTERVAL_S))
+
+    if rate(1.0) <= budget_rps:
+        return 1.0
+    low, high = 1.0, MAX_INTERVAL_S / CLIENT_DEFAULT_S
+    if rate(high) > budget_rps:
+        return high
+    for _ in range(40):
+        middle = (low + high) / 2
+        low, high = (low, middle) if rate(middle) <= budget_rps else (middle, high)
+    return high
+
+
+def interval_ms(default_s: float, stretch: float) -> int:
+    """What a reply asks for: 0 (the peer's own default) unless stretched."""
+    if stretch <= 1.0:
+        return 0
+    return round(min(default_s * stretch, MAX_INTERVAL_S) * 1000)
+
+
+@dataclass
+class _Peak:
+    """The longest interval asked lately: a peer told it may stay silent that long."""
+
+    interval_s: float = 0.0
+    until: float = 0.0
+
+    def note(self, interval_s: float, now: float) -> None:
+        if interval_s >= self.interval_s or now > self.until:
+            self.interval_s = interval_s
+        if interval_s == self.interval_s:
+            self.until = now + interval_s
+
+
+class Cadence:
+    """The intervals in force and the admission of requests (thread-safe, cheap per RPC)."""
+
+    def __init__(self, budget_rps: float, max_pending: int) -> None:
+        """DispatcherConfig.heartbeat_budget_rps and max_pending_rpcs (the dispatcher has
+        32 handler threads, dispatcher/server.py)."""
+        self.budget_rps, self.max_pending = budget_rps, max_pending
+        self._lock = threading.Lock()
+        self.pending = 0
+        self.population = 1.0  # stretch for the population
+        self.load = 1.0  # stretch for the dispatcher's own load
+        self.worker_ms = self.client_ms = 0
+        self._peaks = {"worker": _Peak(), "client": _Peak()}
+        self.answered = self.refused = 0  # counters since start
+        # Peers whose heartbeat was refused, and when: refused is not silent (liveness).
+        self._refused_beats: dict[tuple[str, Any], float] = {}
+        self.cores = self.rpcs_per_s = self.refused_per_s = 0.0
+        self._last = (time.monotonic(), time.process_time(), 0, 0)
+
+    @property
+    def stretch(self) -> float:
+        return self.population * self.load
+
+    # ------------------------------------------------------------------ per request
+    def admit(self, method: str, queued_s: float = 0.0) -> float | None:
+        """Count a request in; None if admitted (call `done` after), else the retry-after (s).
+        `queued_s`: how long it waited for a handler thread."""
+        with self._lock:
+            heartbeat = method in HEARTBEATS
+            limit = self.max_pending // 2 if heartbeat else self.max_pending
+            if method in SHEDDABLE and (self.pending >= max(1, limit) or queued_s > (
+                    MAX_QUEUED_S / 2 if heartbeat else MAX_QUEUED_S)):
+                self.refused += 1
+                if method == "WorkerHeartbeat":
+                    return max(WORKER_DEFAULT_S, self.worker_ms / 1000)
+                if method == "ClientHeartbeat":
+                    return max(CLIENT_DEFAULT_S, self.client_ms / 1000)
+                return SPLIT_RETRY_AFTER_S
+            self.pending += 1
+            return None
+
+    def refused_beat(self, method: str, request: Any, now: float) -> None:
+        """A heartbeat was refused: its sender is alive all the same."""
+        key = (("worker", request.worker_address) if method == "WorkerHeartbeat"
+               else ("client", request.client_id))
+        with self._lock:
+            self._refused_beats[key] = now
+
+    def take_refused_beats(self) -> dict[tuple[str, Any], float]:
+        """(kind, worker address or client id) -> when its last heartbeat was refused."""
+        with self._lock:
+            beats, self._refused_beats = self._refused_beats, {}
+        return beats
+
+    def done(self) -> None:
+        with self._lock:
+            self.pending -= 1
+            self.answered += 1
+
+    # ------------------------------------------------------------------ per liveness check
+    def update(self, workers: int, clients: int, now: float) -> None:
+        """Re-size the intervals to the population and to the load since the last call
+        (`now`: the dispatcher's clock, which liveness compares with)."""
+        wall_now, cpu = time.monotonic(), time.process_time()
+        then, cpu_then, answered_then, refused_then = self._last
+        with self._lock:
+            answered, refused = self.answered, self.refused
+        wall = max(1e-6, wall_now - then)
+        self._last = (wall_now, cpu, answered, refused)
+        self.cores = (cpu - cpu_then) / wall
+        self.rpcs_per_s = (answered - answered_then) / wall
+        self.refused_per_s = (refused - refused_then) / wall
+        # Only refusals stretch further: CPU alone is no sign of trouble (a small fleet's
+        # dispatcher may share a busy host) and must not slow its failure detection. A stray
+        # refusal (a slow fsync holding requests) neither stretches nor relaxes.
+        refused_now, answered_now = refused - refused_then, answered - answered_then
+        if refused_now > REFUSED_SHARE * max(1, answered_now):
+            self.load = min(MAX_LOAD_STRETCH, self.load * 1.5)
+        elif not refused_now:
+            self.load = max(1.0, self.load / 1.25)
+        self.population = population_stretch(workers, clients, self.budget_rps)
+        self.worker_ms = interval_ms(WORKER_DEFAULT_S, self.stretch)
+        self.client_ms = interval_ms(CLIENT_DEFAULT_S, self.stretch)
+        self._peaks["worker"].note(self.worker_ms / 1000, now)
+        self._peaks["client"].note(self.client_ms / 1000, now)
+
+    def fill(self, load: status_pb2.DispatcherLoad) -> None:
+        """The load and intervals in force, for status and metrics."""
+        load.cores, load.rpcs_per_s, load.refused_per_s = (
+            self.cores, self.rpcs_per_s, self.refused_per_s)
+        load.worker_heartbeat_ms, load.client_heartbeat_ms = self.worker_ms, self.client_ms
+        load.stretch = self.stretch
+
+    def timeout_s(self, kind: str, configured_s: float) -> float:
+        """How long a `kind` ("worker" or "client") may be silent before it is taken for
+        dead: the configured timeout, or LIVENESS_BEATS of the longest interval asked lately."""
+        return max(configured_s, LIVENESS_BEATS * self._peaks[kind].interval_s)
+
+
+def admitted(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Refuse the request with RESOURCE_EXHAUSTED and a retry-after (trailing metadata
+    RETRY_AFTER_KEY, in ms) when the dispatcher is past its capacity (Cadence.admit)."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        queued_at = getattr(_queued, "at", None)
+        retry_after = self.cadence.admit(
+            name, 0.0 if queued_at is None else time.monotonic() - queued_at)
+        if retry_after is not None:
+            if name in HEARTBEATS:
+                self.cadence.refused_beat(name, request, self._clock())
+            ms = round(retry_after * 1000)
+            context.set_trailing_metadata(((RETRY_AFTER_KEY, str(ms)),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"the dispatcher is over its capacity ({self.cadence.max_pending} "
+                          f"requests at once): retry after {ms} ms")
+        try:
+            return method(self, request, context)
+        finally:
+            self.cadence.done()
+
+    return wrapper
+
+
+_queued = threading.local()  # when the request this thread handles was queued
+
+
+class QueuedExecutor(ThreadPoolExecutor):
+    """The gRPC server's handler threads, noting when each request was queued for one (see
+    `admitted`): past capacity requests wait here, where no handler sees them otherwise."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        queued = time.monotonic()
+
+        def timed() -> Any:
+            _queued.at = queued
+            return fn(*args, **kwargs)
+
+        return super().submit(timed)
