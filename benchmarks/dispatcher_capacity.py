@@ -10,7 +10,8 @@ and backing off as its RESOURCE_EXHAUSTED refusals ask:
     listing its tasks, and each of its tasks asks for DYNAMIC splits with `GetSplit` at
     `--split-rate` splits/s (a split of 10 elements of a 10 ms read on a single-process worker
     is 10/s; 256-element splits of 8 processes at 10 ms are ~3/s), reporting the split it
-    finished in the next request, as worker/split_feed.py does when its stock is one split;
+    finished in the next request, as a task's split stock (worker/task_state.py) does when
+    it is one split;
   - a client joins the job's iteration (GetOrCreateIteration) and heartbeats (default every
     100 ms, client/membership.py HEARTBEAT_INTERVAL_S), acknowledging as offset ranges the
     splits handed out (exactly-once bookkeeping), and naming the task list it holds, as a
@@ -53,7 +54,7 @@ from _common import spawn_server, stop_servers
 
 WORKER_HEARTBEAT_S = 0.5  # WorkerConfig.effective_heartbeat_interval_ms default
 CLIENT_HEARTBEAT_S = 0.1  # client/membership.py HEARTBEAT_INTERVAL_S
-FEED_REPLICA = 1 << 20  # worker/split_feed.py: the replica id a task's split feed uses
+FEED_REPLICA = 1 << 20  # worker/task_state.py: the replica id a task's split stock uses
 SPLIT_SIZE = 10
 PEERS_PER_CHANNEL = 10  # simulated peers sharing one HTTP/2 connection
 BUDGET_CORES = 1.0

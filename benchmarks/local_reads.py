@@ -3,7 +3,7 @@
 Two placements of one worker, each read with target_workers="LOCAL" and "ANY":
   (a) the worker runs in this process with `num_processes=0` (its pipelines on threads of this
       process): LOCAL calls it directly and receives the tensors the pipeline made, with no
-      encode, copy or decode (worker/local.py); ANY goes over the worker's TCP data port on
+      encode, copy or decode (wire/inprocess.py); ANY goes over the worker's TCP data port on
       loopback like a remote trainer (the worker encodes each element for it);
   (b) the worker runs in another process on this host (`python -m torch_dataservice worker`,
       `--processes` executor processes): LOCAL reads its data port's Unix socket, ANY its TCP

@@ -208,7 +208,7 @@ class WorkerConfig:
     num_processes: int | None = None
     host: str = "localhost"
     cross_trainer_cache_bytes: int = field(default=1 << 30)
-    # Most DYNAMIC splits a task keeps in stock ahead of need (worker/split_feed.py sizes the
+    # Most DYNAMIC splits a task keeps in stock ahead of need (worker/split_budget.py sizes the
     # stock to the GetSplit latency and at least 20 ms of work: many only for tiny splits; at
     # most a sixteenth of an epoch's splits); 0 asks only when a process needs one.
     split_prefetch: int = 64

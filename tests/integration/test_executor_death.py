@@ -51,10 +51,10 @@ def test_an_executor_killed_while_holding_splits_fails_the_read_once(
                 task = tasks.get(task_id)
                 wait_until(lambda: (tmp_path / "waiting").exists(), 30, "the gate")
                 # Handed to the replica and not finished: the one it reads and any it holds
-                # (how many it holds then depends on timing: the split feed may be waiting for
+                # (how many it holds then depends on timing: the split stock may be waiting for
                 # the dispatcher; tests/worker/test_replica_asks.py checks the hold itself).
                 with task.cond:
-                    open_splits = len(task.order._open.get(0, []))  # noqa: SLF001
+                    open_splits = len(task.state.order._open.get(0, []))  # noqa: SLF001
                 assert open_splits >= 1, open_splits
                 pid = tasks._executors._slot(0).process.pid  # noqa: SLF001
                 os.kill(pid, signal.SIGKILL)

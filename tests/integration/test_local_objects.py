@@ -1,6 +1,6 @@
 """A worker whose pipelines run on threads of this process (`num_processes=0`) hands its
 elements to in-process readers as the objects the pipeline produced: no encode, no copy, no
-decode (worker/local.py). A reader elsewhere (data port, gRPC) and the cross-trainer cache get
+decode (wire/inprocess.py). A reader elsewhere (data port, gRPC) and the cross-trainer cache get
 them encoded, with the job's compression; credits still bound the objects in flight.
 
 The pipelines' functions live in this importable module, pickled by reference, so the worker's

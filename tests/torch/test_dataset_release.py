@@ -65,7 +65,7 @@ def test_epochs_of_a_big_dataset_do_not_grow_worker_memory(cluster_factory) -> N
     assert len(shared) == 1  # registered once, not once per epoch
     # Every epoch's task is collected, and with it what the worker kept of the datasets.
     # (A deleted task leaves the task list before its datasets are released: wait for both.)
-    wait_until(lambda: not worker._tasks.task_ids() and not worker._dataset_cache,  # noqa: SLF001
+    wait_until(lambda: not worker._tasks.task_ids() and not worker._dispatcher._datasets,  # noqa: SLF001
                10, "tasks collected and their datasets forgotten")
     # And the dispatcher forgets each epoch's index batches (ephemeral datasets).
     wait_until(lambda: not [d for d in list(state.datasets.values())

@@ -316,7 +316,7 @@ class _Sample:
     _Sample(torch.zeros(50_000, dtype=torch.uint8), 1),
 ], ids=lambda e: type(e).__name__)
 def test_estimate_size_is_close_to_the_encoded_size(element: Any) -> None:
-    """Elements kept as objects (worker/local.py) are counted by the estimate instead."""
+    """Elements kept as objects (wire/inprocess.py) are counted by the estimate instead."""
     encoded = payload_size(encode(element))
     estimate = codec.estimate_size(element)
     assert encoded / 2 - 512 <= estimate <= encoded * 2 + 512, (estimate, encoded)

@@ -10,7 +10,8 @@ from collections.abc import Callable
 import pytest
 
 from torch_dataservice.observability import stages
-from torch_dataservice.worker import replica_splits
+from torch_dataservice.wire.splits import HandedSplit, SplitKey
+from torch_dataservice.worker import replica_splits, split_budget
 from torch_dataservice.worker.executor_process import _Replica
 from torch_dataservice.worker.messages import FinishedSplit, SplitDone, SplitReply, SplitRequest
 
@@ -21,10 +22,10 @@ KEY = (7, 0)
 
 @pytest.fixture(autouse=True)
 def cheap_splits(monkeypatch) -> None:
-    """Every split counts as cheap, whatever the machine's load (HELD_SPLITS_S of an hour, so
-    the number held is MAX_HELD_SPLITS, and reports wait for the next write); the test of
-    costly splits lowers it again."""
-    monkeypatch.setattr(replica_splits, "HELD_SPLITS_S", 3600.0)
+    """Every split counts as cheap, whatever the machine's load (COVER_S of an hour, so the
+    number held is MAX_HELD_SPLITS, and reports wait for the next write); the test of costly
+    splits lowers it again."""
+    monkeypatch.setattr(split_budget, "COVER_S", 3600.0)
     monkeypatch.setattr(replica_splits, "LAZY_REPORT_S", 3600.0)
 
 
@@ -44,7 +45,8 @@ class ScriptedFront:
         self.sent.append(message)
         if isinstance(message, SplitRequest):
             assert inline and self.replica is not None
-            splits = tuple((index, (), message.repetition) for index in self.answer(message))
+            splits = tuple(HandedSplit(SplitKey(message.repetition, index))
+                           for index in self.answer(message))
             assert len(splits) <= message.want
             self.replica.deliver_split(SplitReply(KEY, message.request_id, splits))
 
@@ -66,7 +68,8 @@ class ScriptedFront:
 def replica_for(answer: Callable[[SplitRequest], list[int]],
                 credits: int = 1024) -> tuple[_Replica, ScriptedFront]:
     front = ScriptedFront(answer)
-    front.replica = _Replica(front, KEY, None, None, use_splits=True, credits=credits)
+    front.replica = _Replica(front, KEY, None, compression=None, use_splits=True,
+                              credits=credits)
     return front.replica, front
 
 
@@ -129,11 +132,11 @@ def test_a_repetition_ends_with_no_ask_left_and_the_next_one_asks_afresh() -> No
 
 
 def test_costly_splits_are_asked_for_one_ahead(monkeypatch) -> None:
-    monkeypatch.setattr(replica_splits, "HELD_SPLITS_S", 0.001)
+    monkeypatch.setattr(split_budget, "COVER_S", 0.001)
     replica, front = replica_for(cursor(100))
     for expected in range(4):
         assert replica.get_split(0, 0) == expected
-        time.sleep(0.01)  # the split's work: longer than HELD_SPLITS_S
+        time.sleep(0.01)  # the split's work: longer than COVER_S
     assert all(r.want == 1 for r in front.requests)
     assert len(front.requests) == 4 + 1  # one ask under way beside the split read
     assert front.reports() == [FinishedSplit(0, i, 0) for i in range(3)]

@@ -27,7 +27,7 @@ class FakeBuffer:
         self.end = end
         self.asked: list[tuple[int, int]] = []
 
-    def __call__(self, max_elements: int, max_bytes: int, wait_s: float) -> Taken:
+    def __call__(self, max_elements: int, max_bytes: int, *, wait_s: float) -> Taken:
         self.asked.append((max_elements, max_bytes))
         if self.end is not None and self.next >= self.end:
             return Taken([], True, None)
@@ -45,7 +45,7 @@ class FakeSource:
         self.produced = 0
         self.end = end
 
-    def __call__(self, max_elements: int, max_bytes: int, wait_s: float) -> Taken:
+    def __call__(self, max_elements: int, max_bytes: int, *, wait_s: float) -> Taken:
         if self.end is not None and self.produced >= self.end:
             return Taken([], True, None)
         count = max_elements if self.end is None else min(max_elements, self.end - self.produced)
@@ -70,9 +70,10 @@ def test_make_runner_picks_the_runner_from_the_task_definition() -> None:
     plain = common_pb2.TaskDef(task_id=1)
     coordinated = common_pb2.TaskDef(task_id=2, num_consumers=2)
     cached = common_pb2.TaskDef(task_id=3, cross_trainer_cache=True)
-    assert isinstance(make_runner(plain, fcfs, encoded, 100), FirstComeFirstServedRunner)
-    assert isinstance(make_runner(coordinated, fcfs, encoded, 100), RoundRobinRunner)
-    assert isinstance(make_runner(cached, fcfs, encoded, 100), CachingRunner)
+    assert isinstance(make_runner(plain, fcfs, encoded, cache_bytes=100),
+                      FirstComeFirstServedRunner)
+    assert isinstance(make_runner(coordinated, fcfs, encoded, cache_bytes=100), RoundRobinRunner)
+    assert isinstance(make_runner(cached, fcfs, encoded, cache_bytes=100), CachingRunner)
 
 
 def test_every_runner_answers_a_request() -> None:
@@ -124,8 +125,8 @@ def test_runner_keeps_a_round_until_every_consumer_took_it() -> None:
 def test_the_cache_computes_each_element_once_for_all_trainers() -> None:
     source = FakeSource()
     cache = CachingRunner(10**6, source)
-    a = [v for _ in range(10) for v in values(cache.get_for("a", 10, 10**6, 0.1))]
-    b = [v for _ in range(10) for v in values(cache.get_for("b", 10, 10**6, 0.1))]
+    a = [v for _ in range(10) for v in values(cache.get_for("a", 10, 10**6, wait_s=0.1))]
+    b = [v for _ in range(10) for v in values(cache.get_for("b", 10, 10**6, wait_s=0.1))]
     assert a == b == list(range(100))
     assert source.produced == 100
 
@@ -133,21 +134,21 @@ def test_the_cache_computes_each_element_once_for_all_trainers() -> None:
 def test_the_cache_window_is_bounded_in_bytes_and_slow_trainers_jump() -> None:
     source = FakeSource()
     cache = CachingRunner(100, source)  # 10 elements of 10 bytes
-    assert values(cache.get_for("slow", 5, 10**6, 0.1)) == [0, 1, 2, 3, 4]
-    fast = [v for _ in range(10) for v in values(cache.get_for("fast", 5, 10**6, 0.1))]
+    assert values(cache.get_for("slow", 5, 10**6, wait_s=0.1)) == [0, 1, 2, 3, 4]
+    fast = [v for _ in range(10) for v in values(cache.get_for("fast", 5, 10**6, wait_s=0.1))]
     assert fast == list(range(50))
     start, length, size = cache.window
     assert size <= 100 and (start, length) == (40, 10)
-    assert values(cache.get_for("slow", 5, 10**6, 0.1)) == [40, 41, 42, 43, 44]
-    assert values(cache.get_for("new", 3, 10**6, 0.1)) == [40, 41, 42]
+    assert values(cache.get_for("slow", 5, 10**6, wait_s=0.1)) == [40, 41, 42, 43, 44]
+    assert values(cache.get_for("new", 3, 10**6, wait_s=0.1)) == [40, 41, 42]
 
 
 def test_the_end_of_a_cached_input_is_an_error_for_every_trainer() -> None:
     cache = CachingRunner(10**6, FakeSource(end=3))
-    assert values(cache.get_for("a", 10, 10**6, 0.1)) == [0, 1, 2]
+    assert values(cache.get_for("a", 10, 10**6, wait_s=0.1)) == [0, 1, 2]
     for trainer_id in ("a", "b"):
-        got = cache.get_for(trainer_id, 10, 10**6, 0.1)
+        got = cache.get_for(trainer_id, 10, 10**6, wait_s=0.1)
         if trainer_id == "b":
             assert values(got) == [0, 1, 2]
-            got = cache.get_for(trainer_id, 10, 10**6, 0.1)
+            got = cache.get_for(trainer_id, 10, 10**6, wait_s=0.1)
         assert got.error is not None and "infinite" in got.error.message

@@ -224,7 +224,7 @@ _ELEMENT_BYTES = 64
 def estimate_size(element: Any) -> int:
     """About the bytes ``encode(element)`` would produce, without encoding it.
 
-    Elements kept as objects (worker/local.py) are counted by this for the same memory bounds
+    Elements kept as objects (wire/inprocess.py) are counted by this for the same memory bounds
     as encoded ones. It sums the raw bytes of tensors, arrays, bytes and strings found through
     lists, tuples, sets, dicts and instance ``__dict__``s; any other object counts what
     ``sys.getsizeof`` says (an opaque object's own buffer may escape it: the worker also caps

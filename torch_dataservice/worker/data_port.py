@@ -98,7 +98,7 @@ class DataPort:
     """
 
     def __init__(self, fetch: Callable[[worker_pb2.GetElementsRequest], tuple[Any, list]],
-                 ready: Callable[[], bool], host: str, port: int = 0,
+                 ready: Callable[[], bool], host: str, *, port: int = 0,
                  tls: TLSConfig | None = None, max_connections: int = 1024) -> None:
         self._fetch = fetch
         self._tls_config = tls

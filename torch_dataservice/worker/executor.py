@@ -6,7 +6,7 @@ re-import the user's `__main__` (a script without an `if __name__ == "__main__"`
 works) and never inherit gRPC's threads. Each is connected by a socketpair and says `Ready`
 first: `start()` returns once all did. With `num_processes=0` the same executor loop runs on a
 thread of this process (for debugging, or to hand elements to in-process readers as the objects
-themselves: worker/local.py; the GIL then limits a CPU-bound map to one core).
+themselves: `LocalElement`, wire/inprocess.py; the GIL then limits a CPU-bound map to one core).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import numpy as np
 
 from torch_dataservice.pipeline.sharding import ReplicaPlan
 from torch_dataservice.wire.inprocess import LocalElement
+from torch_dataservice.wire.splits import SplitKey
 from torch_dataservice.worker import launch, shm
 from torch_dataservice.worker.executor_process import executor_main
 from torch_dataservice.worker.local import LocalChannel
@@ -33,7 +34,7 @@ from torch_dataservice.worker.messages import (
     BigElement,
     Blocked,
     Bundle,
-    Dataset,
+    DatasetBytes,
     End,
     Failed,
     FinishedSplit,
@@ -47,7 +48,6 @@ from torch_dataservice.worker.messages import (
     Shutdown,
     SmallElements,
     SplitDone,
-    SplitKey,
     SplitRequest,
     Stages,
     Start,
@@ -294,19 +294,20 @@ class ExecutorPool:
         with self._lock:
             return self._slots[index % self._size]
 
-    def start_replica(self, slot_index: int, key: ReplicaKey, dataset_id: str,
-                      pipeline_bytes: Callable[[], bytes], plan: ReplicaPlan,
+    def start_replica(self, slot_index: int, key: ReplicaKey, dataset_id: str, *,
+                      pipeline: Callable[[str], bytes], plan: ReplicaPlan,
                       compression: str | None, credits: int,
-                      dependencies: Sequence[tuple[str, Callable[[], bytes]]] = ()) -> bool:
+                      dependencies: Sequence[str] = ()) -> bool:
         """Start a replica of `dataset_id`, first sending the executor the datasets it does not
-        have yet: `dependencies` (pipeline/shared_objects.py), then the pipeline itself."""
+        have yet: `dependencies` (pipeline/shared_objects.py), then the pipeline itself
+        (`pipeline(dataset_id)`: its bytes, asked for only when the executor lacks them)."""
         slot = self._slot(slot_index)
         # All under the slot's send lock: a release_dataset cannot fall between a dataset and
         # the start that needs it.
         with slot.send_lock:
-            for needed, get_bytes in (*dependencies, (dataset_id, pipeline_bytes)):
+            for needed in (*dependencies, dataset_id):
                 if needed not in slot.datasets:
-                    if not slot.send_locked(Dataset(needed, get_bytes())):
+                    if not slot.send_locked(DatasetBytes(needed, pipeline(needed))):
                         return False
                     slot.datasets.add(needed)
             return slot.send_locked(Start(key, dataset_id, plan, compression, credits))

@@ -7,7 +7,7 @@ front grants a credit for every element it hands to a client, so a slow consumer
 pipeline instead of filling memory.
 
 On a thread of the front's own process (`num_processes=0`) elements are not encoded here: each
-goes to the front as the object itself (worker/local.py, `LocalElement`) through an in-memory
+goes to the front as the object itself (`LocalElement`, wire/inprocess.py) through an in-memory
 `LocalChannel`, and only its token through the connection, so an in-process reader receives it
 without an encode, a copy or a decode. Credits then count an estimate of its encoded size.
 
@@ -34,6 +34,7 @@ from torch_dataservice.observability import stages
 from torch_dataservice.pipeline import ExecutionContext, Pipeline, shared_objects
 from torch_dataservice.wire import codec
 from torch_dataservice.wire.inprocess import LocalElement
+from torch_dataservice.wire.splits import SplitKey
 from torch_dataservice.worker import shm
 from torch_dataservice.worker.local import LocalChannel
 from torch_dataservice.worker.messages import (
@@ -41,7 +42,7 @@ from torch_dataservice.worker.messages import (
     Blocked,
     Bundle,
     Credit,
-    Dataset,
+    DatasetBytes,
     End,
     Failed,
     FinishedSplit,
@@ -54,7 +55,6 @@ from torch_dataservice.worker.messages import (
     Shutdown,
     SmallElements,
     SplitDone,
-    SplitKey,
     SplitReply,
     SplitRequest,
     Stages,
@@ -116,7 +116,7 @@ _Outgoing = (_Small | _Local | _Big | _Segment | End | Failed | SplitRequest | S
 class _Replica:
     """One copy of a task's pipeline, running on its own thread."""
 
-    def __init__(self, executor: ExecutorLoop, key: ReplicaKey, pipeline: Pipeline,
+    def __init__(self, executor: ExecutorLoop, key: ReplicaKey, pipeline: Pipeline, *,
                  compression: str | None, use_splits: bool, credits: int) -> None:
         self.key = key
         self._executor = executor
@@ -133,16 +133,16 @@ class _Replica:
         # Exactly-once DYNAMIC (see dispatcher/splits.py): the split being read, how many
         # elements each split produced so far, and the offsets clients already received of a
         # split handed again after its worker died.
-        self._holding: tuple[int, int] | None = None
+        self._holding: SplitKey | None = None
         # The (repetition, index) key of the split last handed to this replica, and how many
         # were handed: `_run` tags elements with the key (the split's own repetition, which
         # for a requeued split may be older than the pass reading it) and restarts offsets at
         # each new split (the source's (repetition, index) may repeat: a requeued split and
         # the same index of the current pass look alike to it).
-        self._split_key: tuple[int, int] | None = None
+        self._split_key: SplitKey | None = None
         self._splits_taken = 0
-        self._produced: dict[tuple[int, int], int] = {}
-        self._skip: dict[tuple[int, int], frozenset[int]] = {}
+        self._produced: dict[SplitKey, int] = {}
+        self._skip: dict[SplitKey, frozenset[int]] = {}
         self._splits = SplitAsker(executor, key, credits)  # asked ahead, several if cheap
         self._taken_at: float | None = None  # perf_counter when it took its last split
         self.thread = threading.Thread(target=self._run, name=f"replica-{key}", daemon=True)
@@ -184,12 +184,12 @@ class _Replica:
         self.clock.times[stages.SPLIT] += self._taken_at - asked
         if handed is None:
             return None
-        index, skip, split_repetition = handed
-        self._holding = self._split_key = (split_repetition, index)
+        key, skip = handed
+        self._holding = self._split_key = key
         self._splits_taken += 1
         if skip:
             self._skip[self._holding] = frozenset(skip)
-        return index
+        return key.index
 
     def _take_credit(self, size: int) -> None:
         with self._cond:
@@ -210,8 +210,8 @@ class _Replica:
             self._bytes_in_flight += size
 
     def _run(self) -> None:
-        """The replica's one loop: pull, tag, encode, send, and time each stage. Kept whole
-        (61 lines): it is the per-element hot path, each step visible in one place."""
+        """The replica's one loop: pull, tag, encode, send, and time each stage. Kept whole:
+        it is the per-element hot path, each step visible in one place."""
         ctx = ExecutionContext(split_provider=self if self._use_splits else None)
         try:
             last_split = None
@@ -242,7 +242,7 @@ class _Replica:
                     kept = LocalElement(element, self._compression, codec.estimate_size(element))
                     del element  # the front (and its reader) hold it, not this loop
                     self._take_credit(kept.size)
-                    self._executor.send_local(self.key, wire_split, offset, kept)
+                    self._executor.send_local(self.key, wire_split, offset, element=kept)
                     del kept
                     count += 1
                     continue
@@ -253,7 +253,8 @@ class _Replica:
                 self._take_credit(size)
                 sent_at = time.monotonic()
                 sending = now() if size > INLINE_PAYLOAD_BYTES else 0.0  # a copy or a wait
-                self._executor.send_element(self.key, wire_split, offset, parts, size,
+                self._executor.send_element(self.key, wire_split, offset, parts=parts,
+                                            size=size,
                                             slow=sent_at - last_sent >= SLOW_ELEMENT_S)
                 if sending:
                     clock.times[stages.SEND] += now() - sending
@@ -339,14 +340,14 @@ class ExecutorLoop:
             if self._outbox:
                 self._outbox_ready.notify()
 
-    def send_local(self, key: ReplicaKey, split: tuple[int, int] | None, offset: int,
+    def send_local(self, key: ReplicaKey, split: SplitKey | None, offset: int, *,
                    element: LocalElement) -> None:
         """Hand `element` to the front as an object: its token travels in order with the
         other messages, batched like small elements."""
         assert self.local is not None
         self.send(_Local((key, split, offset, self.local.put(element))))
 
-    def send_element(self, key: ReplicaKey, split: tuple[int, int] | None, offset: int,
+    def send_element(self, key: ReplicaKey, split: SplitKey | None, offset: int, *,
                      parts: list[codec.Part], size: int, slow: bool = False) -> None:
         """Send an encoded element; a `slow` replica's small one is written right away."""
         if size <= INLINE_PAYLOAD_BYTES:
@@ -478,8 +479,8 @@ class ExecutorLoop:
             # Objects are counted by an estimate of their size, which can miss what an opaque
             # object holds (a C extension's buffer): bound their number more tightly too.
             credits = min(credits, LOCAL_CREDITS)
-        replica = _Replica(self, key, pipeline, start.compression, start.plan.use_splits,
-                           credits)
+        replica = _Replica(self, key, pipeline, compression=start.compression,
+                           use_splits=start.plan.use_splits, credits=credits)
         with self._lock:
             self._replicas[key] = replica
         replica.thread.start()
@@ -496,7 +497,7 @@ class ExecutorLoop:
 
     def _handle(self, message: ToExecutor) -> None:
         match message:
-            case Dataset(dataset_id, pipeline):
+            case DatasetBytes(dataset_id, pipeline):
                 self._datasets[dataset_id] = pipeline
             case Release(dataset_id):
                 self._datasets.pop(dataset_id, None)

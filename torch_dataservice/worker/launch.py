@@ -178,10 +178,10 @@ def start_executor(conn_fd: int, torch_threads: int | None) -> ExecutorProcess:
     # forks hang in a parallel op on more than one thread (one is safe, as for torch's own
     # forked DataLoader workers).
     fresh = torch_threads != 1 and shared_fork_server().forked_with_threads
-    return start_process(conn_fd, EXECUTOR_MAIN, {"torch_threads": torch_threads}, fresh)
+    return start_process(conn_fd, EXECUTOR_MAIN, {"torch_threads": torch_threads}, fresh=fresh)
 
 
-def start_process(conn_fd: int, main: str, kwargs: dict, fresh: bool = False
+def start_process(conn_fd: int, main: str, kwargs: dict, *, fresh: bool = False
                   ) -> ExecutorProcess:
     """Start a process running `main` ("module:function") as
     `function(Connection(conn_fd), **kwargs)` (JSON-able kwargs), forked from the fork
@@ -401,7 +401,7 @@ class ForkServer:
             self._sock.close()
         self._sock = self._popen = None
 
-    def fork(self, conn_fd: int, main: str, kwargs: dict,
+    def fork(self, conn_fd: int, main: str, kwargs: dict, *,
              timeout: float = FORK_TIMEOUT_S) -> ForkedProcess:
         try:
             cwd = os.getcwd()
@@ -528,7 +528,8 @@ def serve(control_fd: int) -> None:
             control.sendall(_REPLY.pack(-(error.errno or 1)))
             continue
         if pid == 0:
-            _run_child(control, conn_fd, stdout_fd, stderr_fd, request)
+            _run_child(control, conn_fd, stdout_fd=stdout_fd, stderr_fd=stderr_fd,
+                       request=request)
         for fd in fds:
             os.close(fd)
         children.add(pid)
@@ -593,7 +594,7 @@ def _end(children: set[int]) -> None:
         _reap(children)
 
 
-def _run_child(control: socket.socket, conn_fd: int, stdout_fd: int, stderr_fd: int,
+def _run_child(control: socket.socket, conn_fd: int, *, stdout_fd: int, stderr_fd: int,
                request: _Request) -> None:
     """In the forked child: become what a fresh interpreter would be, run the request's
     main, and exit without the interpreter's teardown (seconds with torch loaded)."""

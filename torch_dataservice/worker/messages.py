@@ -5,7 +5,7 @@ shows in one place and a type checker follows it across the process boundary. Me
 NamedTuples: they pickle almost as cheaply as plain tuples (this is the per-element path).
 
 front -> executor                            executor -> front
-  Dataset       a pipeline's (or shared        SmallElements   encoded elements, several
+  DatasetBytes  a pipeline's (or shared        SmallElements   encoded elements, several
                 object's) bytes                                per message
   Release       drop a dataset                 LocalElements   tokens of objects on the
   Start         run a replica                                  front's LocalChannel
@@ -29,9 +29,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from torch_dataservice.pipeline.sharding import ReplicaPlan
+from torch_dataservice.wire.splits import HandedSplit, SplitKey
 
 ReplicaKey = tuple[int, int]  # (task id, replica index)
-SplitKey = tuple[int, int]  # (repetition, split index): what elements are tagged with
 # (replica, split or None, offset in the split, payload: bytes, or a LocalChannel token)
 ElementItem = tuple[ReplicaKey, "SplitKey | None", int, Any]
 
@@ -53,7 +53,7 @@ class FinishedSplit(NamedTuple):
 
 
 # ------------------------------------------------------------------ front -> executor
-class Dataset(NamedTuple):
+class DatasetBytes(NamedTuple):
     dataset_id: str
     pipeline: bytes
 
@@ -73,11 +73,6 @@ class Start(NamedTuple):
 class Credit(NamedTuple):
     key: ReplicaKey
     n: int
-
-
-# A split handed to a replica: (index, offsets readers already received, its repetition: a
-# requeued DYNAMIC split may be older than the pass that reads it).
-HandedSplit = tuple[int, tuple[int, ...], int]
 
 
 class SplitReply(NamedTuple):
@@ -178,7 +173,7 @@ class Stages(NamedTuple):
     totals: tuple[float, ...]
 
 
-ToExecutor = Dataset | Release | Start | Credit | SplitReply | Stop | FreeSegment | Shutdown
+ToExecutor = DatasetBytes | Release | Start | Credit | SplitReply | Stop | FreeSegment | Shutdown
 FromExecutor = (SmallElements | LocalElements | BigElement | SegmentElement | End | Failed
                 | SplitRequest | SplitDone | Blocked | Stages | Ready | Bundle)
 

@@ -35,7 +35,7 @@ class WorkerCounters:
             return self.elements, sum(self.bytes_by_transport.values())
 
 
-def load(counters: WorkerCounters, stage_totals: StageTotals, buffered: int,
+def load(counters: WorkerCounters, stage_totals: StageTotals, *, buffered: int,
          processes: int) -> status_pb2.WorkerLoad:
     """What a heartbeat tells the dispatcher (its status view and optimal-workers estimate)."""
     elements, nbytes = counters.snapshot()

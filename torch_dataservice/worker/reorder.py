@@ -23,11 +23,12 @@ elements of a split this order does not know pass straight through.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-_Key = tuple[int, Hashable]  # (replica, split key)
+from torch_dataservice.wire.splits import SplitKey
+
+_Key = tuple[int, SplitKey]  # (replica, split)
 
 
 @dataclass
@@ -49,7 +50,7 @@ class SplitOrder:
         self._next = 0
         self._bypass = False
 
-    def handed(self, replica: int, split: Hashable, number: int | None = None) -> None:
+    def handed(self, replica: int, split: SplitKey, number: int | None = None) -> None:
         """`split` goes to `replica` (called before the replica can see it), as the `number`-th
         split handed out (default: after every split so far; a caller that hands splits out
         on several threads numbers them where it decides). It finishes no other split: the
@@ -62,7 +63,7 @@ class SplitOrder:
         self._numbers[key] = number
         self._open.setdefault(replica, []).append(number)
 
-    def admit(self, replica: int, split: Hashable | None, element: Any) -> bool:
+    def admit(self, replica: int, split: SplitKey | None, element: Any) -> bool:
         """True: release `element` now (after the elements returned so far); False: held."""
         if split is None or self._bypass:
             return True
@@ -72,7 +73,7 @@ class SplitOrder:
         self._splits[number].held.append(element)
         return False
 
-    def finished(self, replica: int, split: Hashable | None = None) -> list[Any]:
+    def finished(self, replica: int, split: SplitKey | None = None) -> list[Any]:
         """`replica` finished `split` (None: every split it holds; it ended): the elements
         this releases, in order."""
         numbers = self._open.get(replica)

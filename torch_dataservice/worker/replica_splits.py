@@ -2,19 +2,17 @@
 they are cheap, each reported finished before the next one's elements.
 
 A split of a few hundred tiny elements costs less than a round trip to the front per split
-(pickling, two wake-ups, a wait), so a replica whose splits are cheap holds about HELD_SPLITS_S
-of work in splits beyond the one it reads (at most MAX_HELD_SPLITS, and splits worth at most
-HELD_CREDITS_PART of its credits: another replica's elements wait for them in the front's
-order, worker/reorder.py), asks for more in one message once it is down to half, and reports
-each split it finished on its own (SplitDone) or on the ask it makes then. A shorter hold left
-it waiting for a busy front's answer (a front answers in milliseconds when its GIL is busy).
-A costly split (a DataLoader batch) is asked for one ahead, as before: a worker holds no more
-of them at an epoch's end than it did. The front answers from its task's split stock
-(worker/split_feed.py), which the dispatcher's requeue covers like any split the task holds.
+(pickling, two wake-ups, a wait), so a replica holds splits beyond the one it reads, as many
+as worker/split_budget.py says for its splits' time (at most MAX_HELD_SPLITS, and splits worth
+at most HELD_CREDITS_PART of its credits: another replica's elements wait for them in the
+front's order, worker/reorder.py), asks for more in one message once it is down to half, and
+reports each split it finished on its own (SplitDone) or on the ask it makes then. A costly
+split (a DataLoader batch) is asked for one ahead: a worker holds no more of them at an
+epoch's end than it must. The front answers from its task's split stock
+(worker/task_state.py), which the dispatcher's requeue covers like any split the task holds.
 
-An end ("no more splits") is believed only in answer to an ask sent after the last report, in
-the same repetition, with nothing held: so the end is always known after every report, as
-worker/split_feed.py requires for exactly-once.
+An end ("no more splits") is believed by split_budget.end_believed: in answer to an ask sent
+after the last report, in the same repetition, with nothing held.
 """
 
 from __future__ import annotations
@@ -24,16 +22,16 @@ import threading
 from collections import deque
 from typing import Any, Protocol
 
+from torch_dataservice.wire.splits import HandedSplit
 from torch_dataservice.worker.messages import (
     FinishedSplit,
-    HandedSplit,
     ReplicaKey,
     SplitDone,
     SplitReply,
     SplitRequest,
 )
+from torch_dataservice.worker.split_budget import SplitBudget, end_believed, ewma
 
-HELD_SPLITS_S = 0.02
 MAX_HELD_SPLITS = 64
 HELD_CREDITS_PART = 0.5
 # A report of a split shorter than this waits for the replica's next write (its next element,
@@ -73,8 +71,8 @@ class SplitAsker:
         self._asked: tuple[int, int] | None = None
         self._reported_since_ask = False
         self._end_ahead = False
-        self._split_s: float | None = None  # moving average of a split's duration
-        self._split_elements: float | None = None  # ... and of the elements it produced
+        self._budget = SplitBudget(cap=MAX_HELD_SPLITS, least=1)  # by a split's duration
+        self._split_elements: float | None = None  # moving average of a split's elements
 
     def deliver(self, reply: SplitReply) -> None:
         with self._cond:
@@ -91,9 +89,9 @@ class SplitAsker:
         """The next split of `repetition` (None at a believable end), having finished
         `finished` in `split_s` (None: it took none before)."""
         if split_s is not None:
-            self._split_s = _ewma(self._split_s, split_s)
+            self._budget.note_split(split_s)
         if finished is not None:
-            self._split_elements = _ewma(self._split_elements, finished.elements)
+            self._split_elements = ewma(self._split_elements, finished.elements)
         self._take_arrived()
         if not self._held:
             if finished is not None and self._asked is not None:
@@ -119,8 +117,9 @@ class SplitAsker:
             self._asked = None
             self._end_ahead = False
             self._held.extend(reply.splits)
-            if (not reply.splits and not self._reported_since_ask
-                    and asked_repetition == repetition):
+            if not reply.splits and end_believed(
+                    ended_for=asked_repetition, repetition=repetition,
+                    reports_pending=self._reported_since_ask):
                 break
 
     def _take_arrived(self) -> None:
@@ -140,12 +139,9 @@ class SplitAsker:
     def _ask_ahead(self, repetition: int, finished: FinishedSplit | None) -> None:
         """Ask for more splits once those held are down to half the work to hold; the report
         of `finished` rides on that ask, or goes on its own."""
-        split_s = self._split_s
-        target = 1
-        if split_s:
-            per_split = max(1.0, self._split_elements or 1.0)
-            by_credits = HELD_CREDITS_PART * self._credit_limit / per_split
-            target = max(1, int(min(MAX_HELD_SPLITS, HELD_SPLITS_S / split_s, by_credits)))
+        per_split = max(1.0, self._split_elements or 1.0)
+        target = self._budget.target(int(HELD_CREDITS_PART * self._credit_limit / per_split))
+        split_s = self._budget.split_s
         if self._asked is None and not self._end_ahead and len(self._held) <= target // 2:
             self._asked = (repetition, self._ask(repetition, finished, target - len(self._held)))
         elif finished is not None:
@@ -177,6 +173,3 @@ class SplitAsker:
                 self._cond.wait(1.0)
             return self._replies.pop(request_id)
 
-
-def _ewma(average: float | None, sample: float, weight: float = 0.2) -> float:
-    return sample if average is None else average + weight * (sample - average)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 from torch_dataservice.proto import common_pb2, worker_pb2
@@ -40,7 +39,10 @@ class Taken(NamedTuple):
     error: TaskError | None
 
 
-Take = Callable[[int, int, float], Taken]
+class Take(Protocol):
+    """Up to `max_elements` (about `max_bytes`) elements, waiting up to `wait_s` for one."""
+
+    def __call__(self, max_elements: int, max_bytes: int, *, wait_s: float) -> Taken: ...
 
 DEFAULT_MAX_BYTES = 64 << 20  # a request that names no byte limit
 
@@ -61,7 +63,7 @@ def limits(request: worker_pb2.GetElementsRequest) -> tuple[int, int]:
     return max(1, request.max_elements or 1), request.max_bytes or DEFAULT_MAX_BYTES
 
 
-def make_runner(definition: common_pb2.TaskDef, take: Take, take_encoded: Take,
+def make_runner(definition: common_pb2.TaskDef, take: Take, take_encoded: Take, *,
                 cache_bytes: int) -> TaskRunner:
     """The runner of a task: `take_encoded` (elements as bytes) feeds the cache, which serves an
     element to several trainers that must not share one object."""
@@ -81,7 +83,7 @@ class FirstComeFirstServedRunner:
         self._take = take
 
     def get(self, request: worker_pb2.GetElementsRequest, wait_s: float) -> Taken:
-        return self._take(*limits(request), wait_s)
+        return self._take(*limits(request), wait_s=wait_s)
 
 
 # Rounds formed but not yet taken by every consumer: a consumer this far ahead of the slowest
@@ -178,7 +180,7 @@ class RoundRobinRunner:
         elements: list[Any] = []
         end, error = False, None
         try:
-            elements, end, error = self._take(need, _UNBOUNDED_BYTES, wait_s)
+            elements, end, error = self._take(need, _UNBOUNDED_BYTES, wait_s=wait_s)
         finally:
             with self._cond:
                 self._filling = False
@@ -219,9 +221,9 @@ class CachingRunner:
         self._error: TaskError | None = None
 
     def get(self, request: worker_pb2.GetElementsRequest, wait_s: float) -> Taken:
-        return self.get_for(request.trainer_id, *limits(request), wait_s)
+        return self.get_for(request.trainer_id, *limits(request), wait_s=wait_s)
 
-    def get_for(self, trainer_id: str, max_elements: int, max_bytes: int,
+    def get_for(self, trainer_id: str, max_elements: int, max_bytes: int, *,
                 wait_s: float) -> Taken:
         """The next elements for `trainer_id`: from the window, or newly produced."""
         if not trainer_id:
@@ -267,7 +269,7 @@ class CachingRunner:
         elements: list[Any] = []
         end, error = False, None
         try:
-            elements, end, error = self._take(max_elements, max_bytes, wait_s)
+            elements, end, error = self._take(max_elements, max_bytes, wait_s=wait_s)
         finally:
             with self._cond:
                 self._extending = False

@@ -4,38 +4,27 @@ dispatcher."""
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 
 import grpc
 
-from torch_dataservice import auth, version
+from torch_dataservice import auth
 from torch_dataservice.config import PORT_PLACEHOLDER, WorkerConfig
-from torch_dataservice.errors import ServiceUnavailableError
 from torch_dataservice.observability.metrics import Collector, MetricsEndpoint, new_registry
-from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
-from torch_dataservice.rpc import (
-    WORKER_SERVICE_NAME,
-    channel_to,
-    is_version_mismatch,
-    overload_backoff_s,
-    retry,
-)
+from torch_dataservice.rpc import WORKER_SERVICE_NAME, is_version_mismatch, overload_backoff_s
 from torch_dataservice.serving import BackgroundLoop, Health, advertised_host, start_grpc_server
 from torch_dataservice.wire import inprocess
 from torch_dataservice.worker import metrics
 from torch_dataservice.worker.data_port import DataPort
-from torch_dataservice.worker.messages import FinishedSplit
+from torch_dataservice.worker.dispatcher_client import DispatcherClient
 from torch_dataservice.worker.service import WorkerService
-from torch_dataservice.worker.split_feed import Split
 from torch_dataservice.worker.tasks import TaskManager
 
 logger = logging.getLogger(__name__)
 
 REGISTRATION_WAIT_S = 10.0
 DRAIN_IDLE_S = 10.0  # a task nobody read for this long holds nothing a reader waits for
-LEAVE_TIMEOUT_S = 5.0
 # What the dispatcher answers to a worker it will never accept as it is: a bad or unlisted
 # address, another version, a wrong token. Retrying cannot help: the worker exits.
 REFUSAL_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
@@ -69,23 +58,18 @@ class WorkerServer:
 
     def __init__(self, config: WorkerConfig, start: bool = True) -> None:
         self._config = config
-        self._uid = random.getrandbits(62)
         self._server: grpc.Server | None = None
         self._port = config.port
         self._address = ""
         self._registered = threading.Event()
         self._stopped = threading.Event()
-        self._draining = threading.Event()
-        self._drain_ended: set[int] = set()  # tasks ended by the drain, not by their data
         self._health = Health(WORKER_SERVICE_NAME)
         self.refused: str | None = None
         self._tasks: TaskManager | None = None
         self._heartbeat: BackgroundLoop | None = None
         self._data_port: DataPort | None = None
         self._metrics: MetricsEndpoint | None = None
-        self._dataset_cache: dict[str, common_pb2.DatasetDef] = {}
-        self._dispatcher = dispatcher_pb2_grpc.DispatcherServiceStub(
-            channel_to(config.dispatcher_address))
+        self._dispatcher = DispatcherClient(config, self._stopped)
         if start:
             self.start()
 
@@ -124,24 +108,23 @@ class WorkerServer:
         if self._server is not None:
             return
         auth.check_bind(self._config.host, self._config.tls)  # before executors start
-        self._tasks = TaskManager(self._dataset, self._get_split, self._report_completed,
-                                  self._config.effective_num_processes,
-                                  forget_dataset=self._forget_dataset,
-                                  split_prefetch=self._config.split_prefetch,
-                                  executor_torch_threads=self._config.executor_torch_threads)
-        self._tasks.cross_trainer_cache_bytes = self._config.cross_trainer_cache_bytes
+        self._tasks = TaskManager(
+            self._dispatcher, self._config.effective_num_processes,
+            split_prefetch=self._config.split_prefetch,
+            executor_torch_threads=self._config.executor_torch_threads,
+            cross_trainer_cache_bytes=self._config.cross_trainer_cache_bytes)
         try:
             self._tasks.start()  # spawn executors before gRPC starts its threads
             self._service = WorkerService(self._tasks, self._registered.is_set)
             self._server, self._port = start_grpc_server(
                 self._register_services, self._config.host, self._config.port,
                 tls=self._config.tls)
-            self._address = worker_address(self._config, self._port)
+            self._address = self._dispatcher.address = worker_address(self._config, self._port)
             inprocess.register(self._address, self._service)
             # Elements also travel over a plain socket: gRPC caps big payloads
             # (worker/data_port.py).
             self._data_port = DataPort(self._service.fetch, self._registered.is_set,
-                                       self._config.host, self._config.data_port,
+                                       self._config.host, port=self._config.data_port,
                                        tls=self._config.tls,
                                        max_connections=self._config.data_port_max_connections)
             self._data_port.on_sent = self._service.counters.sent
@@ -192,24 +175,19 @@ class WorkerServer:
         if self._tasks is not None:
             self._tasks.close()
 
-    def _deadline_s(self) -> float:
-        return self._config.effective_dispatcher_timeout_ms / 1000
-
     def _send_heartbeat(self) -> None:
         if self.refused is not None or self._tasks is None:
             return
-        request = dispatcher_pb2.WorkerHeartbeatRequest(
-            worker_address=self._address, worker_uid=self._uid,
-            current_tasks=self._tasks.task_ids(), host_id=inprocess.HOST_ID,
-            process_id=inprocess.process_id(), build=version.to_message(version.current()),
-            load=metrics.load(self._service.counters, self._tasks.stages,
-                              self._tasks.buffered_elements(), self._tasks.num_executors))
         data_port = self._data_port
-        if data_port is not None:
-            request.data_port, request.data_socket = data_port.port, data_port.socket_path
         heartbeat = self._heartbeat
         try:
-            response = self._dispatcher.WorkerHeartbeat(request, timeout=5)
+            response = self._dispatcher.heartbeat(
+                task_ids=self._tasks.task_ids(),
+                load=metrics.load(self._service.counters, self._tasks.stages,
+                                  buffered=self._tasks.buffered_elements(),
+                                  processes=self._tasks.num_executors),
+                data_port=data_port.port if data_port is not None else 0,
+                data_socket=data_port.socket_path if data_port is not None else "")
         except grpc.RpcError as error:
             backoff = overload_backoff_s(error, f"worker {self._address} heartbeat")
             if backoff is not None:
@@ -234,72 +212,13 @@ class WorkerServer:
             self._tasks.add(task)
         for task_id in response.tasks_to_delete:
             self._tasks.delete(task_id)
-        if not self._registered.is_set() and not self._draining.is_set():
+        if not self._registered.is_set() and not self._dispatcher.draining.is_set():
             self._health.set_serving(True)
             logger.info("worker %s registered with the dispatcher at %s (index %d): serving "
                         "(gRPC port %d, data port %d)", self._address,
                         self._config.dispatcher_address, response.worker_index, self._port,
                         self.data_port)
         self._registered.set()
-
-    def _dataset(self, dataset_id: str) -> common_pb2.DatasetDef:
-        cached = self._dataset_cache.get(dataset_id)
-        if cached is None:
-            response = retry(
-                lambda: self._dispatcher.GetDatasetDef(
-                    dispatcher_pb2.GetDatasetDefRequest(dataset_id=dataset_id), timeout=10),
-                description=f"fetching dataset {dataset_id}", deadline_s=self._deadline_s())
-            cached = self._dataset_cache[dataset_id] = response.dataset
-        return cached
-
-    def _forget_dataset(self, dataset_id: str) -> None:
-        self._dataset_cache.pop(dataset_id, None)
-
-    def _get_split(self, task: common_pb2.TaskDef, repetition: int, replica: int,
-                   request_id: int, finished: list[FinishedSplit],
-                   max_splits: int = 1) -> list[Split]:
-        """Up to `max_splits` next splits for `task`'s split feed (worker/split_feed.py), in
-        order, reporting the splits it finished; none at the end of `repetition`'s splits.
-
-        Retried until the dispatcher answers (it may be restarting, or ask us to wait for
-        requeued splits); the request id makes a retry return the same split.
-        """
-        request = dispatcher_pb2.GetSplitRequest(
-            iteration_id=task.iteration_id, repetition=repetition, task_id=task.task_id,
-            replica=replica, request_id=request_id + 1, max_splits=max_splits)
-        for split_repetition, index, elements in finished:
-            request.finished_splits.add(elements=elements).split.CopyFrom(
-                common_pb2.SplitKey(repetition=split_repetition, index=index))
-        if self._draining.is_set():  # no new split: the task ends once it served its stock
-            self._drain_ended.add(task.task_id)
-            if not finished:
-                return []
-            request.report_only = True  # let what it finished settle before it leaves
-        response = retry(lambda: self._dispatcher.GetSplit(request, timeout=10),
-                         description="GetSplit", deadline_s=self._deadline_s(),
-                         stop=self._stopped)
-        if response.end_of_splits:
-            return []
-        # A requeued split keeps its own (maybe older) repetition: see dispatcher/splits.py.
-        return [Split(r.split_index, tuple(r.skip_offsets),
-                      r.repetition if r.HasField("repetition") else repetition)
-                for r in (response, *response.following)]
-
-    def _report_completed(self, task_id: int) -> None:
-        if task_id in self._drain_ended:
-            return  # ended early by the drain: the dispatcher requeues the rest when it leaves
-
-        def report() -> None:
-            request = dispatcher_pb2.WorkerUpdateRequest(
-                worker_address=self._address, completed_tasks=[task_id])
-            try:
-                retry(lambda: self._dispatcher.WorkerUpdate(request, timeout=10),
-                      description="WorkerUpdate", deadline_s=self._deadline_s(),
-                      stop=self._stopped)
-            except ServiceUnavailableError as error:
-                logger.warning("could not report task %d complete: %s", task_id, error)
-
-        threading.Thread(target=report, name="task-complete", daemon=True).start()
 
     def drain(self, stop: threading.Event | None = None) -> None:
         """Leave gracefully (SIGTERM in the CLI): take no new task or split, serve what this
@@ -309,7 +228,7 @@ class WorkerServer:
         if self._server is None or self._tasks is None:
             return
         timeout_s = self._config.drain_timeout_s
-        self._draining.set()
+        self._dispatcher.draining.set()
         self._health.set_serving(False)
         self._tasks.stop_accepting()
         logger.info("worker %s draining: serving what it holds for up to %.0fs", self._address,
@@ -323,18 +242,8 @@ class WorkerServer:
             logger.warning("drain ended with task(s) %s still serving: handed back", held)
         if self._heartbeat is not None:
             self._heartbeat.stop()  # a heartbeat after leaving would register it again
-        self._leave()
+        self._dispatcher.leave()
         self.stop()
-
-    def _leave(self) -> None:
-        request = dispatcher_pb2.WorkerHeartbeatRequest(
-            worker_address=self._address, worker_uid=self._uid, leaving=True)
-        try:
-            self._dispatcher.WorkerHeartbeat(request, timeout=LEAVE_TIMEOUT_S)
-            logger.info("worker %s left the dispatcher", self._address)
-        except grpc.RpcError as error:
-            logger.warning("could not tell the dispatcher that this worker leaves (%s): it "
-                           "will declare it dead after worker_timeout_ms", error.code().name)
 
     def stop(self) -> None:
         if self._server is None:

@@ -31,7 +31,7 @@ class WorkerService:
               transport: str | None = None) -> tuple[worker_pb2.ElementBatchHeader, list]:
         """The elements for one GetElements request, as payloads for the wire (gRPC, the data
         port) or, with `local` (an in-process reader), as they are buffered: elements of an
-        executor thread then stay the objects themselves (worker/local.py, `LocalElement`)."""
+        executor thread then stay the objects themselves (`LocalElement`, wire/inprocess.py)."""
         elements, end, error = self._tasks.fetch(request, FETCH_WAIT_S)
         if not local:
             failed = encode_elements(elements)  # encoded here, by this reader's thread

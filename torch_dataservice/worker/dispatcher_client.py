@@ -1,0 +1,127 @@
+"""The worker's side of the dispatcher: its heartbeat, its leave, the dataset definitions it
+reads, the splits its tasks ask for and the tasks it reports complete. Every call has a
+deadline (`dispatcher_timeout_ms`) and retries with backoff (rpc.retry) where a retry is safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+
+import grpc
+
+from torch_dataservice import version
+from torch_dataservice.config import WorkerConfig
+from torch_dataservice.errors import ServiceUnavailableError
+from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc, status_pb2
+from torch_dataservice.rpc import channel_to, retry
+from torch_dataservice.wire import inprocess
+from torch_dataservice.wire.splits import HandedSplit, SplitKey
+from torch_dataservice.worker.messages import FinishedSplit
+
+logger = logging.getLogger(__name__)
+
+LEAVE_TIMEOUT_S = 5.0
+
+
+class DispatcherClient:
+    """`address` is the worker's, set once it listens. `draining` set: no new split is asked
+    for (a task ends once it served its stock), and such an end is not reported complete."""
+
+    def __init__(self, config: WorkerConfig, stopped: threading.Event) -> None:
+        self._config = config
+        self._stopped = stopped  # cuts retries short
+        self._stub = dispatcher_pb2_grpc.DispatcherServiceStub(
+            channel_to(config.dispatcher_address))
+        self.uid = random.getrandbits(62)
+        self.address = ""
+        self.draining = threading.Event()
+        self._drain_ended: set[int] = set()  # tasks ended by the drain, not by their data
+        self._datasets: dict[str, common_pb2.DatasetDef] = {}
+
+    def _deadline_s(self) -> float:
+        return self._config.effective_dispatcher_timeout_ms / 1000
+
+    def heartbeat(self, *, task_ids: list[int], load: status_pb2.WorkerLoad,
+                  data_port: int, data_socket: str) -> dispatcher_pb2.WorkerHeartbeatResponse:
+        """One heartbeat (raises grpc.RpcError: the caller tells a refusal from an outage)."""
+        request = dispatcher_pb2.WorkerHeartbeatRequest(
+            worker_address=self.address, worker_uid=self.uid, current_tasks=task_ids,
+            host_id=inprocess.HOST_ID, process_id=inprocess.process_id(),
+            build=version.to_message(version.current()), load=load, data_port=data_port,
+            data_socket=data_socket)
+        return self._stub.WorkerHeartbeat(request, timeout=5)
+
+    def leave(self) -> None:
+        request = dispatcher_pb2.WorkerHeartbeatRequest(
+            worker_address=self.address, worker_uid=self.uid, leaving=True)
+        try:
+            self._stub.WorkerHeartbeat(request, timeout=LEAVE_TIMEOUT_S)
+            logger.info("worker %s left the dispatcher", self.address)
+        except grpc.RpcError as error:
+            logger.warning("could not tell the dispatcher that this worker leaves (%s): it "
+                           "will declare it dead after worker_timeout_ms", error.code().name)
+
+    def dataset(self, dataset_id: str) -> common_pb2.DatasetDef:
+        cached = self._datasets.get(dataset_id)
+        if cached is None:
+            response = retry(
+                lambda: self._stub.GetDatasetDef(
+                    dispatcher_pb2.GetDatasetDefRequest(dataset_id=dataset_id), timeout=10),
+                description=f"fetching dataset {dataset_id}", deadline_s=self._deadline_s())
+            cached = self._datasets[dataset_id] = response.dataset
+        return cached
+
+    def pipeline(self, dataset_id: str) -> bytes:
+        """A dataset's pipeline bytes (what an executor is sent to run it)."""
+        return self.dataset(dataset_id).pipeline
+
+    def forget_dataset(self, dataset_id: str) -> None:
+        self._datasets.pop(dataset_id, None)
+
+    def get_split(self, task: common_pb2.TaskDef, *, repetition: int, replica: int,
+                  request_id: int, finished: list[FinishedSplit],
+                  max_splits: int = 1) -> list[HandedSplit]:
+        """Up to `max_splits` next splits for `task`'s split stock (worker/task_state.py), in
+        order, reporting the splits it finished; none at the end of `repetition`'s splits.
+
+        Retried until the dispatcher answers (it may be restarting, or ask us to wait for
+        requeued splits); the request id makes a retry return the same split.
+        """
+        request = dispatcher_pb2.GetSplitRequest(
+            iteration_id=task.iteration_id, repetition=repetition, task_id=task.task_id,
+            replica=replica, request_id=request_id + 1, max_splits=max_splits)
+        for split_repetition, index, elements in finished:
+            request.finished_splits.add(elements=elements).split.CopyFrom(
+                common_pb2.SplitKey(repetition=split_repetition, index=index))
+        if self.draining.is_set():  # no new split: the task ends once it served its stock
+            self._drain_ended.add(task.task_id)
+            if not finished:
+                return []
+            request.report_only = True  # let what it finished settle before it leaves
+        response = retry(lambda: self._stub.GetSplit(request, timeout=10),
+                         description="GetSplit", deadline_s=self._deadline_s(),
+                         stop=self._stopped)
+        if response.end_of_splits:
+            return []
+        # A requeued split keeps its own (maybe older) repetition: see dispatcher/splits.py.
+        return [HandedSplit(SplitKey(r.repetition if r.HasField("repetition") else repetition,
+                                     r.split_index), tuple(r.skip_offsets))
+                for r in (response, *response.following)]
+
+    def report_completed(self, task_id: int) -> None:
+        """Tell the dispatcher, on a thread of its own, that `task_id` reached its end."""
+        if task_id in self._drain_ended:
+            return  # ended early by the drain: the dispatcher requeues the rest when it leaves
+        threading.Thread(target=self._report_completed, args=(task_id,), name="task-complete",
+                         daemon=True).start()
+
+    def _report_completed(self, task_id: int) -> None:
+        request = dispatcher_pb2.WorkerUpdateRequest(
+            worker_address=self.address, completed_tasks=[task_id])
+        try:
+            retry(lambda: self._stub.WorkerUpdate(request, timeout=10),
+                  description="WorkerUpdate", deadline_s=self._deadline_s(), stop=self._stopped)
+        except ServiceUnavailableError as error:
+            logger.warning("could not report task %d complete: %s", task_id, error)
