@@ -3,8 +3,6 @@ epochs of a large in-memory dataset does not grow the worker's memory with the e
 
 from __future__ import annotations
 
-import time
-
 import psutil
 import pytest
 import torch
@@ -52,7 +50,12 @@ def test_epochs_of_a_big_dataset_do_not_grow_worker_memory(cluster_factory) -> N
         theirs = list(reference)
         assert len(ours) == len(theirs) and all(
             torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)), epoch
-        time.sleep(0.1)
+        # Sampled once the epoch's task is collected: whether the next epoch's task arrives
+        # before that (the dataset stays on the worker) or after (it is released and sent
+        # again) is a race of the timing, and the two leave glibc's heap differently; waiting
+        # makes every epoch take the same path, so the samples compare like with like.
+        wait_until(lambda: not worker._tasks.task_ids(), 10,  # noqa: SLF001
+                   f"epoch {epoch}'s task collected")
         rss.append(_executor_rss(worker))
     # No growth with the epochs (before: +16 MiB of pickle per epoch). glibc may keep a freed
     # 16 MiB buffer or two in its heap during the first epochs (its mmap threshold adapts
