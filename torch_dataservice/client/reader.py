@@ -47,7 +47,7 @@ from torch_dataservice.client.rounds import CoordinatedRounds
 from torch_dataservice.client.transports import Transport
 from torch_dataservice.errors import RemoteError, ServiceUnavailableError, is_retryable
 from torch_dataservice.observability.client import ClientStats
-from torch_dataservice.policies import STATIC_POLICIES, ShardingPolicy
+from torch_dataservice.policies import STATIC_POLICIES, ShardingPolicy, TargetWorkers
 from torch_dataservice.proto import common_pb2, worker_pb2
 from torch_dataservice.rpc import rpc_error_to_exception
 from torch_dataservice.serving import close_and_join
@@ -85,9 +85,9 @@ class IterationReader:
         stats: ClientStats | None = None,
         track_yielded: bool = False,
     ) -> None:
-        target_workers = job_config.target_workers or "AUTO"
-        if target_workers == "AUTO" and job_config.sharding_policy in STATIC_POLICIES:
-            target_workers = "LOCAL"  # static shards are read where they are made
+        target_workers = TargetWorkers(job_config.target_workers or TargetWorkers.AUTO)
+        if target_workers == TargetWorkers.AUTO and job_config.sharding_policy in STATIC_POLICIES:
+            target_workers = TargetWorkers.LOCAL  # static shards are read where they are made
         self._target_workers = target_workers
         num_consumers = (job_config.num_consumers
                          if job_config.HasField("num_consumers") else None)
