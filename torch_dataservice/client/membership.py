@@ -164,7 +164,7 @@ class Membership:
         if self._delivery and response.lost_task_ids and self.handed_again is None:
             self._delivery.fence(response.lost_task_ids)
         if self._delivery and response.settled:
-            self._delivery.settle(response.settled)
+            self._delivery.forget_settled(response.settled)
         with self.lock:
             self._apply(response)
             self.answered_at = max(self.answered_at, sent_at)

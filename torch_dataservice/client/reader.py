@@ -136,8 +136,8 @@ class IterationReader:
                                     name=f"reader-heartbeat-{self.client_id}")]
         if consumer_index is not None:
             self._rounds = self._m.rounds = CoordinatedRounds(
-                consumer_index, self._m, self._fetch, self._slots, self._begin, self._settle,
-                connect_timeout_s)
+                consumer_index, self._m, self._fetch, self._slots, self._begin_fetch,
+                self._end_fetch, connect_timeout_s)
             threads.append(threading.Thread(
                 target=self._rounds.run, daemon=True, name=f"reader-rounds-{self.client_id}"))
             return threads
@@ -195,7 +195,7 @@ class IterationReader:
             finally:
                 with self._m.lock:
                     state.in_use = False
-                self._settle(batch)
+                self._end_fetch(batch)
 
     def _idle_wait_s(self) -> float:
         """How long a fetch thread that found no task waits (under the lock): until the first
@@ -206,11 +206,11 @@ class IterationReader:
                      if not state.ended and state.retry_at > now), default=now + IDLE_WAIT_S)
         return min(IDLE_WAIT_S, max(retry - now, 0.001))
 
-    def _begin(self) -> None:
+    def _begin_fetch(self) -> None:
         with self._m.lock:
             self._in_flight += 1
 
-    def _settle(self, batch: Batch | None) -> None:
+    def _end_fetch(self, batch: Batch | None) -> None:
         """A fetch ended: queue what it brought, or give its slot back if it brought nothing."""
         with self._m.lock:
             self._in_flight -= 1

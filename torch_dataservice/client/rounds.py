@@ -69,14 +69,14 @@ class CoordinatedRounds:
     """The rounds protocol; state guarded by the membership's lock."""
 
     def __init__(self, consumer_index: int, membership: Membership, fetch: Fetch,
-                 slots: threading.BoundedSemaphore, begin: Callable[[], None],
-                 settle: Callable[[Batch | None], None], connect_timeout_s: float) -> None:
+                 slots: threading.BoundedSemaphore, begin_fetch: Callable[[], None],
+                 end_fetch: Callable[[Batch | None], None], connect_timeout_s: float) -> None:
         self._consumer = consumer_index
         self._m = membership
         self._fetch = fetch
         self._slots = slots
-        self._begin = begin  # a fetch starts (the reader counts those in flight) ...
-        self._settle = settle  # ... and ends: its batch is queued, or its slot given back
+        self._begin_fetch = begin_fetch  # a fetch starts (the reader counts those in flight) ...
+        self._end_fetch = end_fetch  # ... and ends: its batch is queued, or its slot given back
         self._timeout_s = connect_timeout_s
         self.finished = False
         self._initial: list[int] | None = None  # the tasks it started with, sorted
@@ -202,12 +202,12 @@ class CoordinatedRounds:
         if not self._slots.acquire(timeout=0.2):
             return "retry"
         state = self._m.tasks[task_id]
-        self._begin()
+        self._begin_fetch()
         batch: Batch | None = None
         try:
             batch = self._fetch_round(state, round_index)
         finally:
-            self._settle(None if batch is LOST else batch)
+            self._end_fetch(None if batch is LOST else batch)
         if batch is LOST:
             return "retry" if self._wait_for_removal(
                 round_index, lambda: any(task_id in tasks for _, tasks in self._removals[applied:]),
