@@ -1,8 +1,9 @@
 """The dispatcher's gRPC handlers: validate, decide, journal, apply, reply.
 
-Every handler takes the one lock, asks the pure decision modules for `Update`s
-(dispatcher/validation.py, splits.py, resume.py, tasks.py, coordinated.py, liveness.py),
-journals and applies them to `DispatcherState`, and replies. What a restart forgets lives in one
+Every handler takes the one lock, asks the decision modules for `Update`s
+(dispatcher/validation.py, splits.py, resume.py, tasks.py, coordinated.py, liveness.py; they
+never change the state, but some record or forget soft state as they decide), journals and
+applies them to `DispatcherState`, and replies. What a restart forgets lives in one
 `SoftState` (dispatcher/soft.py). Pushing new tasks to workers is best-effort and outside the
 lock: a worker that misses a push gets the task in its next heartbeat reply. Every RPC syncs
 the journal (group commit, see dispatcher/file_journal.py) after releasing the lock and before
