@@ -26,7 +26,7 @@ def test_split_received_is_compact_and_exact() -> None:
     assert [received.add(o) for o in (0, 1, 3, 1, 2, 3)] == [True, True, True, False, True, False]
     assert (received.below, received.extra) == (4, None)
     assert received.add(7) and received.add(9)
-    received.settle(8)  # 0..7 delivered somewhere: 8 is still new, 9 still seen
+    received.deliver_below(8)  # 0..7 delivered somewhere: 8 is still new, 9 still seen
     assert (received.below, received.extra) == (8, {9})
     assert not received.add(5) and not received.add(9) and received.add(8)
     assert (received.below, received.extra) == (10, None)

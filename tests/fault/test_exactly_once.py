@@ -88,7 +88,6 @@ def test_job_gc_is_journaled_and_keeps_the_split_cursor(tmp_path: Path) -> None:
     reply = heartbeat_worker(service, "a:1", tasks=(a,))
     assert list(reply.tasks_to_delete) == [a]  # and the worker drops the task
     service.close()
-    service._journal.close()  # noqa: SLF001
 
     restarted = timed_service(clock, tmp_path, job_gc_timeout_ms=1000)
     assert restarted.state.iteration(iteration_id).garbage_collected  # not resurrected

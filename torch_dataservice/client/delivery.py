@@ -84,7 +84,7 @@ class SplitReceived:
         self.extra -= offsets
         self._absorb()
 
-    def settle(self, num_elements: int) -> None:
+    def deliver_below(self, num_elements: int) -> None:
         """Every offset below `num_elements` was delivered (to this client or another)."""
         if num_elements > self.below:
             self.below = num_elements
@@ -219,12 +219,14 @@ class Delivery:
             for key, offsets in reports.items():
                 self._unreported.setdefault(key, []).extend(offsets)
 
-    def settle(self, settled: Iterable[dispatcher_pb2.SettledSplit]) -> None:
+    def forget_settled(self, settled: Iterable[dispatcher_pb2.SettledSplit]) -> None:
+        """The dispatcher says these splits are settled: keep one int per split, whatever
+        of it arrived here."""
         with self._lock:
             for split in settled:
                 received = self.seen.get((split.split.repetition, split.split.index))
                 if received is not None:
-                    received.settle(split.num_elements)
+                    received.deliver_below(split.num_elements)
 
 
 def to_ranges(offsets: Iterable[int]) -> list[int]:

@@ -12,6 +12,7 @@ from torch_dataservice.client import transports
 from torch_dataservice.client.membership import Membership
 from torch_dataservice.observability.client import ClientStats, current_sink
 from torch_dataservice.observability.waiting import Waiting, WaitReport
+from torch_dataservice.policies import TargetWorkers
 from torch_dataservice.proto import status_pb2
 
 
@@ -53,14 +54,14 @@ class ReaderFigures:
                                      wait_seconds=self._reported_wait,
                                      elements=self.elements, bytes=self.bytes)
 
-    def report_wait(self, membership: Membership, target_workers: str) -> None:
+    def report_wait(self, membership: Membership, target_workers: TargetWorkers) -> None:
         """After a heartbeat: say what a long wait waits for, when it is due."""
         blocked, now = self.blocked_since, time.monotonic()
         if self._wait_report.due(blocked, now) and blocked is not None:
             self._wait_report.report(self._waiting(membership, target_workers), now - blocked,
                                      not self.elements)
 
-    def _waiting(self, membership: Membership, target_workers: str) -> Waiting:
+    def _waiting(self, membership: Membership, target_workers: TargetWorkers) -> Waiting:
         now = time.monotonic()
         down = membership.down_since
         waiting = Waiting(self._address, membership.iteration_id,

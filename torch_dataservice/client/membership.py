@@ -25,6 +25,7 @@ from torch_dataservice import version
 from torch_dataservice.client.delivery import Delivery
 from torch_dataservice.client.transports import task_groups
 from torch_dataservice.errors import ReaderReleasedError, is_retryable
+from torch_dataservice.policies import TargetWorkers
 from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc, status_pb2
 from torch_dataservice.rpc import channel_to, overload_backoff_s, retry, rpc_error_to_exception
 from torch_dataservice.wire import inprocess
@@ -58,7 +59,7 @@ class Membership:
     """Joins the iteration at construction; `heartbeat()` keeps the task table current."""
 
     def __init__(self, dispatcher_address: str, job_config: common_pb2.JobConfig,
-                 repetition: int, connect_timeout_s: float, target_workers: str,
+                 repetition: int, connect_timeout_s: float, target_workers: TargetWorkers,
                  delivery: Delivery | None, at_least_latest: bool = False) -> None:
         self._stub = dispatcher_pb2_grpc.DispatcherServiceStub(channel_to(dispatcher_address))
         self._target_workers = target_workers
@@ -163,7 +164,7 @@ class Membership:
         if self._delivery and response.lost_task_ids and self.handed_again is None:
             self._delivery.fence(response.lost_task_ids)
         if self._delivery and response.settled:
-            self._delivery.settle(response.settled)
+            self._delivery.forget_settled(response.settled)
         with self.lock:
             self._apply(response)
             self.answered_at = max(self.answered_at, sent_at)
@@ -195,7 +196,7 @@ class Membership:
             [s.info for s in self.tasks.values() if not s.ended], self._target_workers)
         if self.rounds is not None:
             self.rounds.apply(response, self.tasks)
-        if response.tasks and not listed and self._target_workers == "LOCAL" \
+        if response.tasks and not listed and self._target_workers == TargetWorkers.LOCAL \
                 and not self.tasks and self.fatal is None:
             hosts = sorted({info.worker_address for info in response.tasks})
             self.fatal = ValueError(
@@ -207,7 +208,7 @@ class Membership:
     def _wanted(self, info: common_pb2.TaskInfo) -> bool:
         if self.rounds is not None:
             return True  # every consumer must see the same task set
-        if self._target_workers == "LOCAL":
+        if self._target_workers == TargetWorkers.LOCAL:
             return info.host_id == inprocess.HOST_ID
         return True
 

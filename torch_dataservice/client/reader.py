@@ -12,7 +12,7 @@ decoded in the consumer's thread. Coordinated reads use the one rounds thread in
 target_workers: "LOCAL" reads only workers on this host; "AUTO" means LOCAL under static
 sharding (FILE, DATA, FILE_OR_DATA, HINT) and every worker otherwise; "ANY" reads every worker.
 A worker in this process that runs its pipelines on threads (`num_processes=0`) hands its
-elements over as the objects its pipeline produced, not encoded (worker/local.py): the
+elements over as the objects its pipeline produced, not encoded (wire/inprocess.py): the
 consumer shares them with the pipeline, as with torch's DataLoader and `num_workers=0`.
 
 Exactly-once DYNAMIC: an element is acknowledged when `__next__` returns it, and the
@@ -47,7 +47,7 @@ from torch_dataservice.client.rounds import CoordinatedRounds
 from torch_dataservice.client.transports import Transport
 from torch_dataservice.errors import RemoteError, ServiceUnavailableError, is_retryable
 from torch_dataservice.observability.client import ClientStats
-from torch_dataservice.policies import STATIC_POLICIES, ShardingPolicy
+from torch_dataservice.policies import STATIC_POLICIES, ShardingPolicy, TargetWorkers
 from torch_dataservice.proto import common_pb2, worker_pb2
 from torch_dataservice.rpc import rpc_error_to_exception
 from torch_dataservice.serving import close_and_join
@@ -85,9 +85,9 @@ class IterationReader:
         stats: ClientStats | None = None,
         track_yielded: bool = False,
     ) -> None:
-        target_workers = job_config.target_workers or "AUTO"
-        if target_workers == "AUTO" and job_config.sharding_policy in STATIC_POLICIES:
-            target_workers = "LOCAL"  # static shards are read where they are made
+        target_workers = TargetWorkers(job_config.target_workers or TargetWorkers.AUTO)
+        if target_workers == TargetWorkers.AUTO and job_config.sharding_policy in STATIC_POLICIES:
+            target_workers = TargetWorkers.LOCAL  # static shards are read where they are made
         self._target_workers = target_workers
         num_consumers = (job_config.num_consumers
                          if job_config.HasField("num_consumers") else None)
@@ -102,10 +102,12 @@ class IterationReader:
         exactly_once = (job_config.sharding_policy == ShardingPolicy.DYNAMIC
                         and consumer_index is None)
         self._delivery = Delivery() if exactly_once else None
-        self._m = Membership(dispatcher_address, job_config, repetition, connect_timeout_s,
-                             target_workers, self._delivery, at_least_latest)
-        self.repetition, self.created_iteration = self._m.repetition, self._m.created_iteration
-        self._m.load = self._figures.load
+        self._membership = Membership(dispatcher_address, job_config, repetition,
+                                      connect_timeout_s, target_workers, self._delivery,
+                                      at_least_latest)
+        self.repetition = self._membership.repetition
+        self.created_iteration = self._membership.created_iteration
+        self._membership.load = self._figures.load
         self._max_outstanding = max_outstanding_requests or DEFAULT_MAX_OUTSTANDING
         self._next_task = itertools.count()
         self._in_flight = 0
@@ -123,7 +125,7 @@ class IterationReader:
         self.last_tag: tuple[int, int, int] | None = None
         self.yielded = ConsumedSplits() if track_yielded else None
         self._threads = self._make_threads(consumer_index, connect_timeout_s)
-        self._m.heartbeat()
+        self._membership.heartbeat()
         _readers.add(self)
         for thread in self._threads:
             thread.start()
@@ -135,9 +137,9 @@ class IterationReader:
         threads = [threading.Thread(target=self._heartbeat_loop, daemon=True,
                                     name=f"reader-heartbeat-{self.client_id}")]
         if consumer_index is not None:
-            self._rounds = self._m.rounds = CoordinatedRounds(
-                consumer_index, self._m, self._fetch, self._slots, self._begin, self._settle,
-                connect_timeout_s)
+            self._rounds = self._membership.rounds = CoordinatedRounds(
+                consumer_index, self._membership, self._fetch, self._slots, self._begin_fetch,
+                self._end_fetch, connect_timeout_s)
             threads.append(threading.Thread(
                 target=self._rounds.run, daemon=True, name=f"reader-rounds-{self.client_id}"))
             return threads
@@ -147,17 +149,17 @@ class IterationReader:
 
     @property
     def iteration_id(self) -> int:
-        return self._m.iteration_id
+        return self._membership.iteration_id
 
     @property
     def client_id(self) -> int:  # changes if the reader joins its iteration again
-        return self._m.client_id
+        return self._membership.client_id
 
     # ------------------------------------------------------------------ observability
     def _heartbeat_loop(self) -> None:
-        while not self._m.closed.wait(HEARTBEAT_INTERVAL_S):
-            self._m.heartbeat()
-            self._figures.report_wait(self._m, self._target_workers)
+        while not self._membership.closed.wait(HEARTBEAT_INTERVAL_S):
+            self._membership.heartbeat()
+            self._figures.report_wait(self._membership, self._target_workers)
 
     def stats(self) -> dict[str, Any]:
         """Batches, elements, bytes, seconds waiting, per worker (observability/client.py)."""
@@ -168,21 +170,21 @@ class IterationReader:
         """A task to fetch from: round robin within the best group that has one free."""
         now = time.monotonic()
         start = next(self._next_task)
-        for group in self._m.task_order:
+        for group in self._membership.task_order:
             for i in range(len(group)):
-                state = self._m.tasks[group[(start + i) % len(group)]]
+                state = self._membership.tasks[group[(start + i) % len(group)]]
                 if not state.in_use and not state.ended and state.retry_at <= now:
                     return state
         return None
 
     def _fetch_loop(self) -> None:
-        while not self._m.closed.is_set():
+        while not self._membership.closed.is_set():
             if not self._slots.acquire(timeout=0.2):
                 continue
-            with self._m.lock:
+            with self._membership.lock:
                 state = self._pick_task()
                 if state is None:
-                    self._m.lock.wait(self._idle_wait_s())
+                    self._membership.lock.wait(self._idle_wait_s())
                     self._slots.release()
                     continue
                 state.in_use = True
@@ -191,37 +193,37 @@ class IterationReader:
             try:
                 batch = self._fetch(state)
             except Exception as error:  # raised by an in-process worker: the consumer's now
-                self._m.fail(error)
+                self._membership.fail(error)
             finally:
-                with self._m.lock:
+                with self._membership.lock:
                     state.in_use = False
-                self._settle(batch)
+                self._end_fetch(batch)
 
     def _idle_wait_s(self) -> float:
         """How long a fetch thread that found no task waits (under the lock): until the first
         backoff ends, at most IDLE_WAIT_S. Polling instead woke every idle thread 20 times a
         second, and a fetch's end woke all of them (one task: three wake-ups per reply)."""
         now = time.monotonic()
-        retry = min((state.retry_at for state in self._m.tasks.values()
+        retry = min((state.retry_at for state in self._membership.tasks.values()
                      if not state.ended and state.retry_at > now), default=now + IDLE_WAIT_S)
         return min(IDLE_WAIT_S, max(retry - now, 0.001))
 
-    def _begin(self) -> None:
-        with self._m.lock:
+    def _begin_fetch(self) -> None:
+        with self._membership.lock:
             self._in_flight += 1
 
-    def _settle(self, batch: Batch | None) -> None:
+    def _end_fetch(self, batch: Batch | None) -> None:
         """A fetch ended: queue what it brought, or give its slot back if it brought nothing."""
-        with self._m.lock:
+        with self._membership.lock:
             self._in_flight -= 1
             if batch is not None and batch.payloads:
-                self._figures.received(self._m.tasks[batch.task_id].info.worker_address,
+                self._figures.received(self._membership.tasks[batch.task_id].info.worker_address,
                                        len(batch.payloads), batch.nbytes)
             if batch is not None and (batch.payloads or batch.error):
                 self._results.put(batch)
             else:
                 self._slots.release()
-            self._m.lock.notify()  # its task is free again: one waiter may take it
+            self._membership.lock.notify()  # its task is free again: one waiter may take it
 
     def _fetch(self, state: TaskState, round_index: int | None = None) -> Batch | None:
         request = worker_pb2.GetElementsRequest(
@@ -245,7 +247,7 @@ class IterationReader:
                 state.retry_at = time.monotonic() + min(
                     UNREACHABLE_BACKOFF_S * state.failures, 2.0)
                 return None
-            self._m.fail(rpc_error_to_exception(error, f"reading from worker {address}"))
+            self._membership.fail(rpc_error_to_exception(error, f"reading from worker {address}"))
             return None
         except LookupError:
             state.retry_at = time.monotonic() + UNKNOWN_TASK_BACKOFF_S
@@ -259,7 +261,8 @@ class IterationReader:
                 raise  # from an in-process worker: not a connection problem
             refusal = transports.tls_refusal(error)
             if refusal is not None:  # retrying (or gRPC: the same check) cannot mend it
-                self._m.fail(ServiceUnavailableError(f"reading from worker {address}: {refusal}"))
+                self._membership.fail(
+                    ServiceUnavailableError(f"reading from worker {address}: {refusal}"))
                 return None
             # Unreachable, reset, timed out or not ready: like a retryable gRPC error.
             state.failures += 1
@@ -271,7 +274,7 @@ class IterationReader:
             state.retry_at = time.monotonic() + min(UNREACHABLE_BACKOFF_S * state.failures, 2.0)
             return None
         except DataPortError as error:
-            self._m.fail(RuntimeError(f"reading from worker {address}: {error}"))
+            self._membership.fail(RuntimeError(f"reading from worker {address}: {error}"))
             return None
         state.failures = 0
         return self._batch_of(state, transport.borrow, header, payloads)
@@ -302,12 +305,13 @@ class IterationReader:
             return False
         if self._rounds is not None:
             return self._rounds.finished
-        if self._m.skipped_tasks:
+        if self._membership.skipped_tasks:
             # Tasks read elsewhere never finish here: done when every task we read ended.
-            return bool(self._m.tasks) and all(s.ended for s in self._m.tasks.values())
-        if not self._m.iteration_finished:
+            tasks = self._membership.tasks
+            return bool(tasks) and all(s.ended for s in tasks.values())
+        if not self._membership.iteration_finished:
             return False
-        return all(state.ended or not state.in_use for state in self._m.tasks.values())
+        return all(state.ended or not state.in_use for state in self._membership.tasks.values())
 
     def __iter__(self) -> IterationReader:
         return self
@@ -318,7 +322,7 @@ class IterationReader:
         blocked = None  # since when this call waits for a batch (stats: seconds waiting)
         try:
             while True:
-                if self._m.handed_again is not None:
+                if self._membership.handed_again is not None:
                     self._drop_handed_again()
                 batch = self._current
                 if batch is not None:
@@ -338,9 +342,9 @@ class IterationReader:
                     continue
                 except queue.Empty:
                     pass
-                with self._m.lock:
-                    if self._m.fatal is not None:
-                        fatal = self._m.fatal
+                with self._membership.lock:
+                    if self._membership.fatal is not None:
+                        fatal = self._membership.fatal
                         self.close()
                         raise fatal
                     if self._done() and self._results.empty():
@@ -357,18 +361,18 @@ class IterationReader:
         (then `__next__` drops it: _drop_handed_again). Once per such gap: a dispatcher
         that is down does not stall every element; none while the dispatcher is known to be
         down (the gap is its, not a pause)."""
-        answered_at = self._m.answered_at
+        answered_at = self._membership.answered_at
         if (time.monotonic() - answered_at > PAUSE_S and answered_at != self._pause_checked
-                and self._m.down_since is None):
+                and self._membership.down_since is None):
             self._pause_checked = answered_at
-            self._m.heartbeat()
+            self._membership.heartbeat()
 
     def _drop_handed_again(self) -> None:
         """This reader was declared silent (paused past worker_timeout_ms) and the dispatcher
         handed splits it holds elements of to the job's other readers: drop those, before
         anything more is yielded (they come again to whoever reads those splits)."""
-        with self._m.lock:
-            keys, self._m.handed_again = self._m.handed_again, None
+        with self._membership.lock:
+            keys, self._membership.handed_again = self._membership.handed_again, None
         dropped = self._delivery.drop_unacknowledged(keys or set())  # type: ignore[union-attr]
         logger.warning(
             "this reader (client %d of iteration %d) was silent for longer than the "
@@ -397,13 +401,13 @@ class IterationReader:
     def close(self) -> None:
         """Release the iteration; this reader's threads end on their own within about a second
         (fetches are long polls), and at interpreter exit `_close_readers` waits for them."""
-        if self._m.closed.is_set():
+        if self._membership.closed.is_set():
             return
-        self._m.closed.set()
-        with self._m.lock:
-            self._m.lock.notify_all()  # idle fetch threads see the close at once
+        self._membership.closed.set()
+        with self._membership.lock:
+            self._membership.lock.notify_all()  # idle fetch threads see the close at once
         self._data_ports.close()
-        self._m.release()
+        self._membership.release()
 
     def join(self, deadline: float) -> None:
         """Wait until `deadline` (time.monotonic) for this reader's threads to end."""

@@ -69,14 +69,14 @@ class CoordinatedRounds:
     """The rounds protocol; state guarded by the membership's lock."""
 
     def __init__(self, consumer_index: int, membership: Membership, fetch: Fetch,
-                 slots: threading.BoundedSemaphore, begin: Callable[[], None],
-                 settle: Callable[[Batch | None], None], connect_timeout_s: float) -> None:
+                 slots: threading.BoundedSemaphore, begin_fetch: Callable[[], None],
+                 end_fetch: Callable[[Batch | None], None], connect_timeout_s: float) -> None:
         self._consumer = consumer_index
-        self._m = membership
+        self._membership = membership
         self._fetch = fetch
         self._slots = slots
-        self._begin = begin  # a fetch starts (the reader counts those in flight) ...
-        self._settle = settle  # ... and ends: its batch is queued, or its slot given back
+        self._begin_fetch = begin_fetch  # a fetch starts (the reader counts those in flight) ...
+        self._end_fetch = end_fetch  # ... and ends: its batch is queued, or its slot given back
         self._timeout_s = connect_timeout_s
         self.finished = False
         self._initial: list[int] | None = None  # the tasks it started with, sorted
@@ -124,14 +124,14 @@ class CoordinatedRounds:
     def run(self) -> None:
         """Read rounds in order until the end, a failure or close."""
         round_index, cursor = 0, None
-        while not self._m.closed.is_set():
+        while not self._membership.closed.is_set():
             if cursor is None:
                 initial = self._initial_tasks()
                 cursor = None if initial is None else Cursor(initial)
                 continue
             plan = self._plan(round_index)
             if plan is None:
-                if self._m.fatal is not None:
+                if self._membership.fatal is not None:
                     return
                 continue  # waiting at a proposed round for the outcome
             removals, additions = plan
@@ -169,7 +169,7 @@ class CoordinatedRounds:
         would stop at on it, and stop there whatever happens: the removal needs every
         consumer stopped, and a consumer whose buffer is full (its application waits on
         another consumer, as a reader that zips them does) would otherwise never get there."""
-        with self._m.lock:
+        with self._membership.lock:
             removed = {t for _, tasks in removals for t in tasks}
             pending = self._lost - removed
             if not pending or self._promised() is not None:
@@ -190,9 +190,9 @@ class CoordinatedRounds:
             self._looked_in_vain = looked
 
     def _initial_tasks(self) -> list[int] | None:
-        with self._m.lock:
+        with self._membership.lock:
             if self._initial is None:
-                self._m.lock.wait(WAIT_POLL_S)
+                self._membership.lock.wait(WAIT_POLL_S)
                 return None
             return list(self._initial)
 
@@ -201,13 +201,13 @@ class CoordinatedRounds:
         "retry" (a removal was decided; plan again) or None (stop)."""
         if not self._slots.acquire(timeout=0.2):
             return "retry"
-        state = self._m.tasks[task_id]
-        self._begin()
+        state = self._membership.tasks[task_id]
+        self._begin_fetch()
         batch: Batch | None = None
         try:
             batch = self._fetch_round(state, round_index)
         finally:
-            self._settle(None if batch is LOST else batch)
+            self._end_fetch(None if batch is LOST else batch)
         if batch is LOST:
             return "retry" if self._wait_for_removal(
                 round_index, lambda: any(task_id in tasks for _, tasks in self._removals[applied:]),
@@ -218,39 +218,40 @@ class CoordinatedRounds:
 
     def _end(self, removed: bool, round_index: int) -> None:
         if removed:
-            self._m.fail(RuntimeError("coordinated reads: every worker of the job was lost"))
+            self._membership.fail(
+                RuntimeError("coordinated reads: every worker of the job was lost"))
             return
-        with self._m.lock:
+        with self._membership.lock:
             # Tell the dispatcher where we ended, for good: a consumer still stopped on a lost
             # task must not wait for this one (see _wait_for_removal).
             self._blocked_round, self._done = round_index, True
         deadline = time.monotonic() + DONE_REPORT_S
-        while not self._m.heartbeat() and time.monotonic() < deadline \
-                and self._m.fatal is None and not self._m.closed.wait(0.2):
+        while not self._membership.heartbeat() and time.monotonic() < deadline \
+                and self._membership.fatal is None and not self._membership.closed.wait(0.2):
             pass
-        with self._m.lock:
+        with self._membership.lock:
             self.finished = True
-            self._m.lock.notify_all()
+            self._membership.lock.notify_all()
 
     def _plan(self, round_index: int) -> tuple[list, list] | None:
         """The removals and additions known, once `round_index` may be read; None while
         this consumer waits at a proposed addition round (a bounded wait)."""
-        with self._m.lock:
+        with self._membership.lock:
             if self._ready_round is not None and round_index >= self._ready_round:
                 if self._waiting_since is None:
                     self._waiting_since = time.monotonic()
                 elif time.monotonic() - self._waiting_since > self._timeout_s:
-                    self._m.fatal = RuntimeError(
+                    self._membership.fatal = RuntimeError(
                         f"coordinated read of round {round_index}: workers were to join at "
                         f"round {self._ready_round}, and not every consumer of the job agreed "
                         f"within {self._timeout_s:.0f}s (is every consumer reading?)")
-                    self._m.lock.notify_all()
+                    self._membership.lock.notify_all()
                     return None
-                self._m.lock.wait(WAIT_POLL_S)
+                self._membership.lock.wait(WAIT_POLL_S)
                 return None
             self._waiting_since = None
             self._current_round = round_index
-            additions = sorted((s.info.starting_round, t) for t, s in self._m.tasks.items()
+            additions = sorted((s.info.starting_round, t) for t, s in self._membership.tasks.items()
                                if s.info.starting_round > 0)
             return list(self._removals), additions
 
@@ -264,49 +265,49 @@ class CoordinatedRounds:
         leaves (once every consumer is stopped on lost tasks), `decided()` with the lock held.
         False if closed or failed."""
         deadline = time.monotonic() + self._timeout_s
-        with self._m.lock:
+        with self._membership.lock:
             self._blocked_round = round_index
         try:
-            self._m.heartbeat()  # report now rather than at the next beat
-            with self._m.lock:
+            self._membership.heartbeat()  # report now rather than at the next beat
+            with self._membership.lock:
                 while not decided():
-                    if self._m.closed.is_set() or self._m.fatal is not None:
+                    if self._membership.closed.is_set() or self._membership.fatal is not None:
                         return False
                     if time.monotonic() > deadline:
-                        self._m.fatal = RuntimeError(
+                        self._membership.fatal = RuntimeError(
                             f"coordinated read of round {round_index}: {lost} was lost, and "
                             f"within {self._timeout_s:.0f}s neither "
                             "did every consumer of the job reach a lost worker's round (is "
                             "every consumer still reading?) nor did a worker take its place")
-                        self._m.lock.notify_all()
+                        self._membership.lock.notify_all()
                         return False
-                    self._m.lock.wait(0.1)
+                    self._membership.lock.wait(0.1)
             return True
         finally:
-            with self._m.lock:
+            with self._membership.lock:
                 self._blocked_round = None
 
     def _fetch_round(self, state: TaskState, round_index: int) -> Batch | None:
         """This consumer's element of `round_index` from `state`'s task (empty batch: its end)."""
         failing_since: float | None = None
-        while not self._m.closed.is_set():
+        while not self._membership.closed.is_set():
             if state.info.task_id in self._lost:
                 return LOST
             now = time.monotonic()
             if state.retry_at > now:
-                self._m.closed.wait(state.retry_at - now)
+                self._membership.closed.wait(state.retry_at - now)
                 continue
             try:
                 batch = self._fetch(state, round_index)
             except Exception as error:  # raised by an in-process worker
-                self._m.fail(error)
+                self._membership.fail(error)
                 return None
-            if self._m.fatal is not None:
+            if self._membership.fatal is not None:
                 return None
             if batch is None:  # worker unreachable: keep trying, but not forever
                 failing_since = failing_since or now
                 if now - failing_since > self._timeout_s:
-                    self._m.fail(RuntimeError(
+                    self._membership.fail(RuntimeError(
                         f"coordinated read of round {round_index}: worker "
                         f"{state.info.worker_address} unreachable for "
                         f"{now - failing_since:.0f}s; coordinated reads cannot continue "

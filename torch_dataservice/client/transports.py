@@ -36,6 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from torch_dataservice import auth, fork_gate
 from torch_dataservice.client.data_port import DataPortPool, WorkerUnavailableError
+from torch_dataservice.policies import TargetWorkers
 from torch_dataservice.proto import common_pb2, worker_pb2
 from torch_dataservice.rpc import WORKER_SERVICE_NAME, channel_to
 from torch_dataservice.wire import frame, inprocess
@@ -139,11 +140,11 @@ class GrpcStream:
                 raise
 
 
-def data_target(info: common_pb2.TaskInfo, target_workers: str) -> tuple | None:
+def data_target(info: common_pb2.TaskInfo, target_workers: TargetWorkers) -> tuple | None:
     """Where to reach `info`'s worker's data port, or None (gRPC): its Unix socket if it runs
     on this host (unless target_workers is "ANY"), else its TCP port."""
     if (info.data_socket and info.host_id == inprocess.HOST_ID
-            and target_workers != "ANY" and os.path.exists(info.data_socket)):
+            and target_workers != TargetWorkers.ANY and os.path.exists(info.data_socket)):
         return ("unix", info.data_socket)
     if info.data_port:
         host = info.worker_address.rsplit(":", 1)[0].strip("[]")
@@ -151,10 +152,10 @@ def data_target(info: common_pb2.TaskInfo, target_workers: str) -> tuple | None:
     return None
 
 
-def choose(info: common_pb2.TaskInfo, target_workers: str, pool: DataPortPool,
+def choose(info: common_pb2.TaskInfo, target_workers: TargetWorkers, pool: DataPortPool,
            shared: bool) -> Transport:
     """The best way to reach `info`'s worker (`shared`: a cross-trainer cache read)."""
-    if info.process_id == inprocess.process_id() and target_workers != "ANY":
+    if info.process_id == inprocess.process_id() and target_workers != TargetWorkers.ANY:
         service = inprocess.lookup(info.worker_address)
         if service is not None:
             return InProcess(info.worker_address, service, shared)
@@ -220,11 +221,11 @@ class DataPortFallback:
 FALLBACK = DataPortFallback()  # this process's readers share what they learnt
 
 
-def task_groups(infos: list[common_pb2.TaskInfo], target_workers: str) -> list[list[int]]:
+def task_groups(infos: list[common_pb2.TaskInfo], target_workers: TargetWorkers) -> list[list[int]]:
     """Task ids in the order fetch threads should prefer them: under "AUTO", workers in this
     process, then on this host, then the rest (a free local task is read before a remote
     one; remote ones are still read); otherwise one group. Each group is sorted by id."""
-    if target_workers != "AUTO":
+    if target_workers != TargetWorkers.AUTO:
         return [sorted(info.task_id for info in infos)]
     groups: list[list[int]] = [[], [], []]
     for info in infos:

@@ -1,4 +1,7 @@
-"""Coordinated reads (num_consumers): the rounds all consumers agree on, as pure decisions.
+"""Coordinated reads (num_consumers): the rounds all consumers agree on.
+
+The functions never change the state: they return `Update`s. They do record what consumers
+report in the soft state they are handed (`blocked`, `rounds`, `proposals`).
 
 Every consumer maps round r to the r-th task (mod their number, sorted by id), so all must
 see the same task set at every round: finished tasks stay listed (their workers answer

@@ -1,8 +1,9 @@
 """Multi-step changes that several handlers share: a worker leaves, a silent client's splits
 go back, requeued splits get takers, an idle iteration is collected.
 
-Each step is a pure decision (dispatcher/liveness.py, splits.py, tasks.py) applied through
-the service's `apply` (journal, then state) under its lock; what they leave to push to
+Each step is a decision (dispatcher/liveness.py, splits.py, tasks.py) applied through the
+service's `apply` (journal, then state) under its lock, so these steps change the state and
+the soft state; what they leave to push to
 workers is returned, for the service to push once the lock is released.
 """
 

@@ -1,4 +1,7 @@
-"""Liveness and garbage collection: who is gone and what is collected (pure decisions).
+"""Liveness and garbage collection: who is gone and what is collected.
+
+Decisions that return `Update`s (or what to act on) and never change the state; three forget
+soft-state entries as they decide: `idle_iterations`, `expired_ephemerals`, `unread_ephemeral`.
 
 Workers silent for worker_timeout_ms are removed (their splits requeued); clients silent for
 job_gc_timeout_ms are released; iterations without clients for job_gc_timeout_ms are
@@ -94,7 +97,8 @@ def expired_ephemerals(soft: SoftState, now: float, gc_timeout_s: float) -> list
 def unread_ephemeral(state: DispatcherState, soft: SoftState, dataset_id: str, now: float,
                      gc_timeout_s: float) -> Update | None:
     """Remove an ephemeral dataset (DatasetDef.ephemeral) that no iteration reads any more,
-    unless a registration was answered with it lately: its job is on the way."""
+    unless a registration was answered with it lately: its job is on the way. Forgets that
+    registration (soft.ephemeral_reused) when it removes the dataset."""
     dataset = state.datasets.get(dataset_id)
     if dataset is None or not dataset.definition.ephemeral:
         return None

@@ -8,7 +8,6 @@ dispatcher's Prometheus collector re-exposes. Histograms exist only when metrics
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -119,24 +118,6 @@ class DispatcherObserver:
                             iteration.iteration_id, 0) + sum(
                             int(s.window.latest[2]) for s in self.clients.values()
                             if s.iteration_id == iteration.iteration_id and s.window.latest))
-
-
-def durable(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Sync the journal after the handler released the lock, before the reply leaves; time
-    the whole handling for tds_dispatcher_rpc_seconds{method}."""
-    name = method.__name__
-
-    @functools.wraps(method)
-    def wrapper(self: Any, request: Any, context: Any) -> Any:
-        started = time.perf_counter()
-        try:
-            response = method(self, request, context)
-            self._journal.sync()
-            return response
-        finally:
-            self._observe.rpc(name, time.perf_counter() - started)
-
-    return wrapper
 
 
 def collector(observer: DispatcherObserver,

@@ -124,7 +124,6 @@ class DispatchServer:
         self._server.stop(grace=0.5).wait(5)
         if self._service is not None:
             self._service.close()
-            self._service._journal.close()
         self._server = None
         self._stopped.set()
 

@@ -1,8 +1,9 @@
 """The dispatcher's gRPC handlers: validate, decide, journal, apply, reply.
 
-Every handler takes the one lock, asks the pure decision modules for `Update`s
-(dispatcher/validation.py, splits.py, resume.py, tasks.py, coordinated.py, liveness.py),
-journals and applies them to `DispatcherState`, and replies. What a restart forgets lives in one
+Every handler takes the one lock, asks the decision modules for `Update`s
+(dispatcher/validation.py, splits.py, resume.py, tasks.py, coordinated.py, liveness.py; they
+never change the state, but some record or forget soft state as they decide), journals and
+applies them to `DispatcherState`, and replies. What a restart forgets lives in one
 `SoftState` (dispatcher/soft.py). Pushing new tasks to workers is best-effort and outside the
 lock: a worker that misses a push gets the task in its next heartbeat reply. Every RPC syncs
 the journal (group commit, see dispatcher/file_journal.py) after releasing the lock and before
@@ -30,8 +31,8 @@ from torch_dataservice.dispatcher import (
 )
 from torch_dataservice.dispatcher.cadence import Cadence, admitted
 from torch_dataservice.dispatcher.effects import Effects
-from torch_dataservice.dispatcher.journal import Journal
-from torch_dataservice.dispatcher.observe import DispatcherObserver, durable
+from torch_dataservice.dispatcher.journal import Journal, durable
+from torch_dataservice.dispatcher.observe import DispatcherObserver
 from torch_dataservice.dispatcher.soft import SoftState
 from torch_dataservice.dispatcher.state import DispatcherState, Iteration, Task
 from torch_dataservice.dispatcher.task_push import Push, TaskPusher
@@ -77,7 +78,9 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         return self._state
 
     def close(self) -> None:
+        """Stop pushing tasks, then close the journal (its last updates are fsynced)."""
         self._pusher.close()
+        self._journal.close()
 
     @property
     def cadence(self) -> Cadence:
@@ -95,7 +98,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         for update in updates:
             if update is None:
                 continue
-            self._journal.append(update)  # durable before any reply: see observe.durable
+            self._journal.append(update)  # durable before any reply: see journal.durable
             self._state.apply(update)
             self._views.note(update)
             if update.WhichOneof("kind") == "requeue_split":

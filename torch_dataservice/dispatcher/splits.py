@@ -1,4 +1,7 @@
-"""DYNAMIC split hand-out and requeue: pure decisions over the state and the soft state.
+"""DYNAMIC split hand-out and requeue: decisions over the state and the soft state.
+
+They return `Update`s and never change the state; `end_held` records in the soft state since
+when an iteration's end is held.
 
 Visitation under DYNAMIC sharding: every element of an epoch is delivered exactly once, even
 when workers die, the dispatcher restarts or an idle iteration is collected and recreated,
@@ -98,7 +101,8 @@ def end_held(state: DispatcherState, soft: SoftState, iteration: Iteration, now:
     their consumers take: within a heartbeat or two of draining their buffers), or the holder
     is declared silent and its splits requeued (the iteration is then not finished), at most
     twice worker_timeout_ms: a live client that holds elements and does not consume them
-    keeps them, and the others end then."""
+    keeps them, and the others end then. Records (or forgets) in soft.end_unsettled_since
+    since when the end is held."""
     if (len(iteration.client_ids) < 2 or not iteration.delivered
             or not is_exactly_once(state, iteration)):
         soft.end_unsettled_since.pop(iteration.iteration_id, None)

@@ -13,7 +13,7 @@ from torch_dataservice import version
 from torch_dataservice.dispatcher import resume
 from torch_dataservice.dispatcher.state import DispatcherState
 from torch_dataservice.errors import FailedPreconditionError, VersionMismatchError
-from torch_dataservice.policies import TARGET_WORKERS, ShardingPolicy, policy_name
+from torch_dataservice.policies import TARGET_WORKERS, ShardingPolicy, TargetWorkers, policy_name
 from torch_dataservice.proto import common_pb2, dispatcher_pb2
 
 
@@ -89,7 +89,7 @@ def validate_job(config: common_pb2.JobConfig, dataset: common_pb2.DatasetDef,
     if config.cross_trainer_cache and config.HasField("num_consumers"):
         raise ValueError("cross_trainer_cache cannot be combined with coordinated reads "
                          f"(num_consumers={config.num_consumers})")
-    if config.HasField("num_consumers") and config.target_workers == "LOCAL":
+    if config.HasField("num_consumers") and config.target_workers == TargetWorkers.LOCAL:
         raise ValueError("coordinated reads (num_consumers) read every worker of the job: "
                          "target_workers='LOCAL' is not supported with them")
     if policy.is_static:
@@ -100,7 +100,7 @@ def validate_job(config: common_pb2.JobConfig, dataset: common_pb2.DatasetDef,
 def _validate_static(policy: ShardingPolicy, config: common_pb2.JobConfig,
                      dataset: common_pb2.DatasetDef, worker_addresses: Sequence[str]) -> None:
     name = policy.name
-    if config.target_workers == "ANY":
+    if config.target_workers == TargetWorkers.ANY:
         raise ValueError(
             f"sharding policy {name} requires reading from local workers: use "
             "target_workers='LOCAL' or 'AUTO' (which means LOCAL for static sharding), "
