@@ -253,7 +253,7 @@ class WorkerTask:
                 if self.stock is None:
                     return []
                 self.stock.fetched(repetition, splits, error, now=self._clock())
-                return self._settle()
+                return self._answer_waiters()
             case Started():
                 return self._started(event)
             case Deleted():
@@ -349,21 +349,21 @@ class WorkerTask:
                 "RuntimeError", "this task takes no splits", ""))
         self.stock.ask(_Waiter(replica, ask.request_id, ask.repetition, ask.want),
                        ask.finished, self._clock())
-        return out + self._settle()
+        return out + self._answer_waiters()
 
     def _done(self, replica: int, finished: FinishedSplit) -> list[Instruction]:
         self._release(self.order.finished(replica, _key(finished)))
         out: list[Instruction] = [Wake(len(self.buffer))]
         if self.stock is not None:
             self.stock.report(finished)
-            out += self._settle()
+            out += self._answer_waiters()
         return out
 
-    def _settle(self) -> list[Instruction]:
+    def _answer_waiters(self) -> list[Instruction]:
         """Answer the replicas the stock can answer (recording the hand-out order before they
         can see their splits), fail those it cannot, and fetch what is missing."""
         assert self.stock is not None
-        answered, failed, fetch = self.stock.settle(self._clock())
+        answered, failed, fetch = self.stock.answer_waiters(self._clock())
         out: list[Instruction] = []
         for waiter, numbered in answered:
             for number, split in numbered:
@@ -442,9 +442,10 @@ class SplitStock:
         self._closed = True
         self._waiters.clear()
 
-    def settle(self, now: float) -> tuple[list[tuple[_Waiter, list[tuple[int, HandedSplit]]]],
-                                          list[tuple[_Waiter, tuple[str, str]]],
-                                          FetchSplits | None]:
+    def answer_waiters(self, now: float) -> tuple[
+            list[tuple[_Waiter, list[tuple[int, HandedSplit]]]],
+            list[tuple[_Waiter, tuple[str, str]]],
+            FetchSplits | None]:
         """The waiters answered (with their splits, numbered in hand-out order), those failed,
         and the fetch still needed."""
         if self._closed:
