@@ -4,15 +4,24 @@ object storage with a DYNAMIC job and writes what it reads, one line per element
 Usage: python -m tests.integration.s3_reader DISPATCHER_ADDRESS tar|files URL OUT [MAX_RATE]
 `tar`: from_tar_shards(URL), a line "KEY JPG_BYTES" per sample. `files`: list_files(URL) read
 with tds.read_bytes on the workers, a line "URL BYTES" per file. A last line "done" when the
-epoch ended. MAX_RATE (elements/s, 0 = unlimited) keeps the workers mid-split.
+epoch ended. MAX_RATE (elements/s, 0 = unlimited) is how fast each worker makes samples (a
+pause per sample, on the worker), so that a worker killed after the trainer's first lines is
+surely in the middle of a shard: pacing the trainer instead does not, since its prefetch and
+the workers' buffers take whole 40-sample shards at once.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 
 import torch_dataservice as tds
+
+
+def pause(element: str, seconds: float) -> str:
+    time.sleep(seconds)
+    return element
 
 
 def main() -> int:
@@ -24,15 +33,14 @@ def main() -> int:
     else:
         pipeline = tds.Pipeline.list_files(url).map(
             lambda path: f"{path} {len(tds.read_bytes(path))}")
+    if max_rate:
+        pipeline = pipeline.map(functools.partial(pause, seconds=1 / max_rate))
     distributed = pipeline.apply(tds.distribute(tds.ShardingPolicy.DYNAMIC,
                                                 f"grpc://{address}"))
-    start = time.monotonic()
     with open(out, "w") as f:
-        for count, line in enumerate(distributed, 1):
+        for line in distributed:
             f.write(line + "\n")
             f.flush()
-            if max_rate:
-                time.sleep(max(0.0, count / max_rate - (time.monotonic() - start)))
         f.write("done\n")
     return 0
 

@@ -65,8 +65,9 @@ def test_an_epoch_is_read_exactly_once_through_a_worker_killed_mid_shard(
     workers = [process_cluster.start_worker() for _ in range(2)]
     mark = len(s3.recording.requests())
     out = tmp_path / "out.txt"
-    # Read slower than the workers make samples: their buffers fill and each one waits in the
-    # middle of a shard, so the killed worker surely holds one.
+    # Each worker makes 60 samples/s (a pause per sample on the worker): after the trainer's
+    # first 60 lines each has made about 30 of its first 40-sample shard, so the killed
+    # worker surely holds one unfinished.
     reader = start_reader(process_cluster, s3, "tar", f"s3://{BUCKET}/shards/*.tar", out,
                           max_rate=60)
     wait_until(lambda: lines_in(out) >= 60 or reader.poll() is not None, 120,
