@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -108,3 +109,22 @@ class Consumer:
 def tag_with_pid(x: int) -> tuple[int, int]:
     """Which worker (its single executor process) made element x."""
     return os.getpid(), x
+
+
+def read_coordinated(target: str, mode: str, job_name: str, consumer: int, got: list,
+                     errors: list, stop: threading.Event) -> None:
+    """Consumer `consumer` of 2 coordinated consumers of `job_name`, appending
+    `tag_with_pid` elements to `got` (a 4-ms training step each) until `stop`; an error goes
+    to `errors`."""
+    import torch_dataservice as tds
+
+    pipeline = tds.Pipeline.range(10**9).map(tag_with_pid).apply(tds.distribute(
+        mode, target, job_name=job_name, consumer_index=consumer, num_consumers=2))
+    try:
+        for element in pipeline:
+            got.append(element)
+            if stop.is_set():
+                return
+            time.sleep(0.004)  # a training step
+    except BaseException as error:  # noqa: BLE001 - reported by the test
+        errors.append(error)

@@ -9,25 +9,14 @@ import time
 
 import pytest
 
-import torch_dataservice as tds
 from tests.conftest import ProcessCluster
-from tests.fault.helpers import tag_with_pid
+from tests.fault.helpers import read_coordinated
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def _read(target: str, consumer: int, got: list, errors: list, stop: threading.Event) -> None:
-    pipeline = tds.Pipeline.range(10**9).map(tag_with_pid).apply(tds.distribute(
-        "parallel_epochs", target, job_name="membership", consumer_index=consumer,
-        num_consumers=2))
-    try:
-        for element in pipeline:
-            got.append(element)
-            if stop.is_set():
-                return
-            time.sleep(0.004)  # a training step
-    except BaseException as error:  # noqa: BLE001 - reported by the test
-        errors.append(error)
+    read_coordinated(target, "parallel_epochs", "membership", consumer, got, errors, stop)
 
 
 def _start_readers(target: str, first: int) -> tuple[list, list, threading.Event, list]:

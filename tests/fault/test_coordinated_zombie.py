@@ -12,25 +12,14 @@ import time
 
 import pytest
 
-import torch_dataservice as tds
 from tests.conftest import ProcessCluster
-from tests.fault.helpers import tag_with_pid
+from tests.fault.helpers import read_coordinated
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 def _read(target: str, consumer: int, got: list, errors: list, stop: threading.Event) -> None:
-    pipeline = tds.Pipeline.range(10**9).map(tag_with_pid).apply(tds.distribute(
-        "distributed_epoch", target, job_name="zombie", consumer_index=consumer,
-        num_consumers=2))
-    try:
-        for element in pipeline:
-            got.append(element)
-            if stop.is_set():
-                return
-            time.sleep(0.004)  # a training step
-    except BaseException as error:  # noqa: BLE001 - reported by the test
-        errors.append(error)
+    read_coordinated(target, "distributed_epoch", "zombie", consumer, got, errors, stop)
 
 
 def _wait(got: list[list], errors: list, counts: list[int], what: str) -> None:

@@ -38,6 +38,20 @@ def grpc_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
+@pytest.fixture
+def data_port_targets(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """The (transport, host, port) targets the reader fetched from over data ports."""
+    targets: list[tuple] = []
+    real = reader_module.DataPortPool.fetch
+
+    def recording(self, target, request):
+        targets.append(target)
+        return real(self, target, request)
+
+    monkeypatch.setattr(reader_module.DataPortPool, "fetch", recording)
+    return targets
+
+
 def read(cluster: Cluster, target_workers: str, n: int = 10) -> list:
     return list(tds.Pipeline.range(n).apply(tds.distribute(
         "parallel_epochs", cluster.target, target_workers=target_workers)))
@@ -58,16 +72,9 @@ def test_local_reads_from_an_in_process_worker_skip_grpc(
 
 
 def test_any_reads_go_over_the_network(cluster: Cluster, grpc_calls: list[str],
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
+                                       data_port_targets: list[tuple]) -> None:
     # The network path is the workers' data ports over TCP (gRPC without them).
-    targets: list[tuple] = []
-    real = reader_module.DataPortPool.fetch
-
-    def recording(self, target, request):
-        targets.append(target)
-        return real(self, target, request)
-
-    monkeypatch.setattr(reader_module.DataPortPool, "fetch", recording)
+    targets = data_port_targets
     assert sorted(read(cluster, "ANY")) == sorted(list(range(10)) * 2)
     assert {("tcp", "127.0.0.1", w._data_port.port) for w in cluster.workers} == set(targets)
     assert not {w.address for w in cluster.workers} & set(grpc_calls), grpc_calls
@@ -87,15 +94,8 @@ def test_local_without_a_worker_on_this_host_is_an_error(
 
 
 def test_a_dataloader_reads_the_workers_its_target_workers_names(
-        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
-    targets: list[tuple] = []
-    real = reader_module.DataPortPool.fetch
-
-    def recording(self, target, request):
-        targets.append(target)
-        return real(self, target, request)
-
-    monkeypatch.setattr(reader_module.DataPortPool, "fetch", recording)
+        cluster: Cluster, data_port_targets: list[tuple]) -> None:
+    targets = data_port_targets
     loader = tds.DataLoader(list(range(12)), batch_size=4, service=cluster.target,
                             target_workers="ANY")
     assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
