@@ -58,7 +58,7 @@ FEED_REPLICA = 1 << 20  # worker/task_state.py: the replica id a task's split st
 SPLIT_SIZE = 10
 PEERS_PER_CHANNEL = 10  # simulated peers sharing one HTTP/2 connection
 BUDGET_CORES = 1.0
-RETRY_AFTER_KEY = "x-torch-dataservice-retry-after-ms"  # errors.RETRY_AFTER_KEY
+GROW_TIMEOUT_S = 300  # thousands of peers join while the dispatcher refuses some
 
 
 # ============================================================================ simulators
@@ -96,14 +96,16 @@ class Sim:
         (with jitter), as rpc.overload_backoff_s does."""
         import grpc
 
+        from torch_dataservice.errors import retry_after_ms
+
         start = time.perf_counter()
         try:
             response = await method(request, timeout=10)
         except grpc.aio.AioRpcError as error:
-            hint = dict(error.trailing_metadata() or ()).get(RETRY_AFTER_KEY)
-            if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and hint is not None:
+            hint = retry_after_ms(error)  # the dispatcher's, or gRPC's own full queue
+            if hint is not None:
                 self.refusals.append((time.time(), kind))
-                await asyncio.sleep(int(hint) / 1000 * (0.5 + random.random()))
+                await asyncio.sleep(hint / 1000 * (0.5 + random.random()))
             else:
                 self.errors.append((time.time(), f"{kind}: {error.code().name}"))
             return None
@@ -226,7 +228,7 @@ class Sim:
             self.coroutines.append(asyncio.ensure_future(self.client(future)))
             self.clients += 1
             waits.append(future)
-        await asyncio.wait_for(asyncio.gather(*waits), 120)
+        await asyncio.wait_for(asyncio.gather(*waits), GROW_TIMEOUT_S)
 
     def stats(self, t0: float, t1: float) -> dict:
         counts: dict[str, int] = {}
@@ -294,8 +296,8 @@ class Sims:
             conn.send(("grow", workers // n + (i < workers % n),
                        clients // n + (i < clients % n), job_id))
         for conn in self.conns:
-            if not conn.poll(150):
-                raise RuntimeError("simulators did not grow in 150 s")
+            if not conn.poll(GROW_TIMEOUT_S + 30):
+                raise RuntimeError(f"simulators did not grow in {GROW_TIMEOUT_S + 30} s")
             _, error = conn.recv()
             if error:
                 raise RuntimeError(f"a simulator failed to grow: {error}")

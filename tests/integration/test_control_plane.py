@@ -16,10 +16,13 @@ from tests.conftest import wait_until
 from tests.observability.test_metrics import scrape
 from torch_dataservice import rpc
 from torch_dataservice.client.membership import Membership
+from torch_dataservice.dispatcher import server as dispatcher_server
 from torch_dataservice.dispatcher.file_journal import FileJournal
+from torch_dataservice.errors import GRPC_REFUSAL_RETRY_AFTER_MS
 from torch_dataservice.observability.status_text import as_text
 from torch_dataservice.policies import ShardingPolicy
 from torch_dataservice.proto import common_pb2
+from torch_dataservice.serving import Queue
 
 pytestmark = pytest.mark.integration
 
@@ -121,6 +124,39 @@ def test_an_overloaded_dispatcher_refuses_and_its_readers_back_off_and_finish(
     assert service.cadence.refused > 0
     refusals = [r for r in caplog.records if "over its capacity" in r.getMessage()]
     assert len(refusals) == 1, [r.getMessage() for r in refusals]  # logged once
+
+
+@pytest.mark.timeout(120)
+def test_a_full_grpc_queue_is_refused_by_grpc_and_readers_back_off_and_finish(
+        cluster_factory, caplog, monkeypatch) -> None:
+    # Room for 2 requests past gRPC's core, and no refusal by the handlers: a hog holding the
+    # dispatcher makes requests pile up, and gRPC itself refuses the rest (no hint comes with
+    # that): peers must take it for overload, not for an error.
+    monkeypatch.setattr(dispatcher_server, "QUEUE",
+                        Queue(pending=1, pending_hard=1, pending_s=1, max_concurrent=2))
+    cluster = cluster_factory(num_workers=2, max_pending_rpcs=1000)
+    service = cluster.dispatcher._service  # noqa: SLF001 (introspection)
+    monkeypatch.setattr(rpc, "_overload_logged", False)
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            with service._lock:  # noqa: SLF001
+                time.sleep(0.15)
+            time.sleep(0.15)
+
+    hog = threading.Thread(target=busy, daemon=True)
+    hog.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="torch_dataservice.rpc"):
+            parts = read_together(cluster.target, "grpc-queue", readers=3)
+    finally:
+        stop.set()
+        hog.join(5)
+    assert_exactly_once(parts)
+    assert service.cadence.refused == 0  # the handlers refused nothing: gRPC did
+    refusals = [r.getMessage() for r in caplog.records if "over its capacity" in r.getMessage()]
+    assert refusals and f"retry after {GRPC_REFUSAL_RETRY_AFTER_MS} ms" in refusals[0], refusals
 
 
 @pytest.mark.timeout(90)
