@@ -116,10 +116,12 @@ RETRYABLE_CODES = frozenset(
 RETRY_AFTER_KEY = "x-torch-dataservice-retry-after-ms"
 
 
-# What gRPC itself answers when a server's queue is full (serving.Queue): no hint comes with
-# it, so peers wait GRPC_REFUSAL_RETRY_AFTER_MS (with jitter). Other RESOURCE_EXHAUSTED errors
-# (a message over the size limit) are no overload and not retried.
-GRPC_REFUSALS = ("Too many pending requests for this server", "Concurrent RPC limit exceeded")
+# What gRPC itself answers when a server has too many requests in its handlers
+# (serving.Queue.max_concurrent): no hint comes with it, so peers wait
+# GRPC_REFUSAL_RETRY_AFTER_MS (with jitter). Other RESOURCE_EXHAUSTED errors (a message over
+# the size limit) are no overload and not retried. (gRPC answers a request dropped from its
+# core's queue CANCELLED, which is retried like any outage: RETRYABLE_CODES.)
+GRPC_REFUSALS = ("Concurrent RPC limit exceeded",)
 GRPC_REFUSAL_RETRY_AFTER_MS = 250
 
 

@@ -28,15 +28,16 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Queue:
     """Bounds on the requests a server holds before its handlers run, beyond which gRPC itself
-    refuses them with RESOURCE_EXHAUSTED (no handler runs, nor Python for the first bound).
+    answers them (no handler runs).
 
     A Python gRPC server takes one request at a time from gRPC's core, in a thread that
     needs the GIL; requests arriving faster wait there, by default up to 1,000 of them (then
-    some are refused, all past 3,000) for up to 30 s (then cancelled): seconds of queue that
-    no handler sees. `pending` and `pending_hard` replace the 1,000 and 3,000
-    (grpc.server.max_pending_requests, refused with a probability rising between them),
-    `pending_s` the 30 s; `max_concurrent` caps the requests handed to the handler threads
-    and not yet finished (grpc.server's maximum_concurrent_rpcs).
+    some are dropped, all past 3,000) for up to 30 s: seconds of queue that no handler sees.
+    `pending` and `pending_hard` replace the 1,000 and 3,000 (grpc.server.max_pending_requests:
+    dropped with a probability rising between them), `pending_s` the 30 s; gRPC's core answers
+    what it drops CANCELLED, without running any Python. `max_concurrent` caps the requests
+    handed to the handler threads and not yet finished (grpc.server's maximum_concurrent_rpcs):
+    past it, RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded!" (errors.GRPC_REFUSALS).
     """
 
     pending: int

@@ -31,8 +31,8 @@ REQUEST_OVERHEAD_BYTES = 1 << 20
 # the executor's queue, where admission sees how long (dispatcher/cadence.py).
 HANDLER_THREADS = 32
 # Requests waiting beyond the handler threads, in gRPC's core and in the threads' queue: a few
-# ms of work each, so a request accepted waits tens of ms at most; past these gRPC refuses
-# with RESOURCE_EXHAUSTED before any Python runs (peers back off: errors.retry_after_ms).
+# ms of work each, so a request accepted waits tens of ms, not seconds; past these gRPC
+# answers them itself (serving.Queue; peers back off: errors.retry_after_ms, RETRYABLE_CODES).
 QUEUE = Queue(pending=16, pending_hard=64, pending_s=1, max_concurrent=2 * HANDLER_THREADS)
 
 
