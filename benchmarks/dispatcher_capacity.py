@@ -58,7 +58,7 @@ FEED_REPLICA = 1 << 20  # worker/task_state.py: the replica id a task's split st
 SPLIT_SIZE = 10
 PEERS_PER_CHANNEL = 10  # simulated peers sharing one HTTP/2 connection
 BUDGET_CORES = 1.0
-GROW_TIMEOUT_S = 300  # thousands of peers join while the dispatcher refuses some
+GROW_TIMEOUT_S = 300  # default --grow-timeout: thousands of peers join while some are refused
 
 
 # ============================================================================ simulators
@@ -78,6 +78,7 @@ class Sim:
         self.coroutines: list[asyncio.Task] = []
         self.workers = self.clients = 0
         self.job_id = 0
+        self.grow_timeout_s = GROW_TIMEOUT_S
         # The intervals the dispatcher asked for last (0: the defaults).
         self.worker_interval_s, self.client_interval_s = WORKER_HEARTBEAT_S, CLIENT_HEARTBEAT_S
 
@@ -228,7 +229,7 @@ class Sim:
             self.coroutines.append(asyncio.ensure_future(self.client(future)))
             self.clients += 1
             waits.append(future)
-        await asyncio.wait_for(asyncio.gather(*waits), GROW_TIMEOUT_S)
+        await asyncio.wait_for(asyncio.gather(*waits), self.grow_timeout_s)
 
     def stats(self, t0: float, t1: float) -> dict:
         counts: dict[str, int] = {}
@@ -265,7 +266,7 @@ async def _sim_loop(sim: Sim, conn) -> None:
             conn.send("stopped")
             return
         if command[0] == "grow":
-            _, workers, clients, sim.job_id = command
+            _, workers, clients, sim.job_id, sim.grow_timeout_s = command
             try:
                 await sim.grow(workers, clients)
                 conn.send(("grown", None))
@@ -290,14 +291,14 @@ class Sims:
             if not conn.poll(120) or conn.recv() != "ready":
                 raise RuntimeError("a simulator process did not start")
 
-    def grow(self, workers: int, clients: int, job_id: int) -> None:
+    def grow(self, workers: int, clients: int, job_id: int, timeout_s: float) -> None:
         n = len(self.conns)
         for i, conn in enumerate(self.conns):  # spread as evenly as possible
             conn.send(("grow", workers // n + (i < workers % n),
-                       clients // n + (i < clients % n), job_id))
+                       clients // n + (i < clients % n), job_id, timeout_s))
         for conn in self.conns:
-            if not conn.poll(GROW_TIMEOUT_S + 30):
-                raise RuntimeError(f"simulators did not grow in {GROW_TIMEOUT_S + 30} s")
+            if not conn.poll(timeout_s + 30):
+                raise RuntimeError(f"simulators did not grow in {timeout_s + 30:.0f} s")
             _, error = conn.recv()
             if error:
                 raise RuntimeError(f"a simulator failed to grow: {error}")
@@ -398,7 +399,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_mode(mode: str, sizes: list[tuple[int, int]], seconds: float, ramp: float,
-             procs: int, split_rate: float, stop_cores: float, log) -> list[Row]:
+             procs: int, split_rate: float, stop_cores: float, grow_timeout_s: float,
+             log) -> list[Row]:
     rows: list[Row] = []
     work_dir = tempfile.mkdtemp(prefix="tds-capacity-") if mode == "journal" else None
     dispatcher = Dispatcher(work_dir)
@@ -408,7 +410,12 @@ def run_mode(mode: str, sizes: list[tuple[int, int]], seconds: float, ramp: floa
         sims = Sims(dispatcher.address, procs, split_rate)
         for workers, clients in sizes:
             grow_began = time.perf_counter()
-            sims.grow(workers, clients, job_id)
+            try:
+                sims.grow(workers, clients, job_id, grow_timeout_s)
+            except RuntimeError as error:  # the rows measured so far still count
+                log(f"  {mode}: {workers} workers + {clients} clients did not join: {error}; "
+                    "larger steps skipped")
+                break
             log(f"  {mode}: {workers} workers + {clients} clients joined in "
                 f"{time.perf_counter() - grow_began:.1f} s")
             time.sleep(ramp)  # every worker has its task and is asking for splits
@@ -512,6 +519,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="GetSplit per second per worker task (default: 2)")
     parser.add_argument("--stop-cores", type=float, default=1.5,
                         help="skip larger steps once the dispatcher used this many cores")
+    parser.add_argument("--grow-timeout", type=float, default=GROW_TIMEOUT_S,
+                        help="seconds a step's peers may take to join (then it and larger "
+                             "steps are skipped)")
     parser.add_argument("--json", default=None, help="write the rows to this JSON file")
     args = parser.parse_args(argv)
     try:
@@ -532,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         if mode not in ("memory", "journal"):
             parser.error(f"unknown mode {mode!r}")
         rows += run_mode(mode, sizes, seconds, args.ramp, args.procs, args.split_rate,
-                         args.stop_cores, lambda m: print(m, flush=True))
+                         args.stop_cores, args.grow_timeout, lambda m: print(m, flush=True))
 
     print()
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, "
