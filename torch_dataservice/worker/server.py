@@ -19,6 +19,7 @@ from torch_dataservice.worker import metrics
 from torch_dataservice.worker.data_port import DataPort
 from torch_dataservice.worker.dispatcher_client import DispatcherClient
 from torch_dataservice.worker.service import WorkerService
+from torch_dataservice.worker.cache_index import WorkerCache
 from torch_dataservice.worker.tasks import TaskManager
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,11 @@ class WorkerServer:
     def metrics_port(self) -> int | None:
         """The port /metrics is served on (None: metrics are off)."""
         return self._metrics.port if self._metrics is not None else None
+
+    @property
+    def cache(self) -> WorkerCache | None:
+        """The worker's `cache()` store, figures and `cached_splits()` (None before start)."""
+        return self._tasks.cache if self._tasks is not None else None
 
     @property
     def service(self) -> WorkerService | None:
