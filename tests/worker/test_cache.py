@@ -16,8 +16,8 @@ import uuid
 import pytest
 
 import torch_dataservice as tds
-from torch_dataservice.pipeline.cache import decode_entry
 from tests.conftest import wait_until
+from torch_dataservice.pipeline.cache import decode_entry
 
 pytestmark = pytest.mark.integration
 
@@ -51,7 +51,8 @@ def pipeline(directory) -> tds.Pipeline:
 
 
 def read(cluster, directory, job: str) -> list[int]:
-    reader = pipeline(directory).apply(tds.distribute("distributed_epoch", cluster.target, job_name=job))
+    reader = pipeline(directory).apply(
+        tds.distribute("distributed_epoch", cluster.target, job_name=job))
     return sorted(int(x) for x in reader)
 
 

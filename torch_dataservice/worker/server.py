@@ -16,10 +16,10 @@ from torch_dataservice.rpc import WORKER_SERVICE_NAME, is_version_mismatch, over
 from torch_dataservice.serving import BackgroundLoop, Health, advertised_host, start_grpc_server
 from torch_dataservice.wire import inprocess
 from torch_dataservice.worker import metrics
+from torch_dataservice.worker.cache_index import WorkerCache
 from torch_dataservice.worker.data_port import DataPort
 from torch_dataservice.worker.dispatcher_client import DispatcherClient
 from torch_dataservice.worker.service import WorkerService
-from torch_dataservice.worker.cache_index import WorkerCache
 from torch_dataservice.worker.tasks import TaskManager
 
 logger = logging.getLogger(__name__)
