@@ -18,6 +18,7 @@ import pytest
 import torch_dataservice as tds
 from tests.conftest import wait_until
 from torch_dataservice.pipeline.cache import decode_entry
+from torch_dataservice.worker import metrics
 
 pytestmark = pytest.mark.integration
 
@@ -103,6 +104,15 @@ def test_epoch_two_reads_the_workers_cache_and_a_stopped_split_is_no_entry(
     (splits,) = worker.cache.cached_splits().values()
     assert list(splits) == list(range(SPLITS))
     assert worker.cache.nbytes() > 0
+    families = {family.name: family.samples[0].value for family in metrics.collector(
+        worker.service.counters, worker._tasks.stages, worker.cache, lambda: 0)()}
+    assert families["tds_worker_cache_hits"] >= SPLITS
+    assert families["tds_worker_cache_misses"] >= SPLITS
+    assert families["tds_worker_cache_bytes"] == worker.cache.nbytes()
+    assert families["tds_worker_cache_evictions"] == 0
+    load = metrics.load(worker.service.counters, worker._tasks.stages, worker.cache,
+                        buffered=0, processes=2)
+    assert load.cache_hits >= SPLITS and load.cache_bytes > 0
     directory = worker.cache.directory
     cluster.stop_worker(worker)
     assert not os.path.exists(directory)  # the worker's shared memory is given back

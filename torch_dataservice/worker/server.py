@@ -161,7 +161,8 @@ class WorkerServer:
             return
         registry = new_registry()
         registry.register(Collector(metrics.collector(
-            self._service.counters, self._tasks.stages, self._tasks.buffered_elements)))
+            self._service.counters, self._tasks.stages, self._tasks.cache,
+            self._tasks.buffered_elements)))
         self._metrics = MetricsEndpoint(registry, self._config.host, self._config.metrics_port)
         logger.info("worker metrics at %s", self._metrics.url)
 
@@ -189,7 +190,7 @@ class WorkerServer:
         try:
             response = self._dispatcher.heartbeat(
                 task_ids=self._tasks.task_ids(),
-                load=metrics.load(self._service.counters, self._tasks.stages,
+                load=metrics.load(self._service.counters, self._tasks.stages, self._tasks.cache,
                                   buffered=self._tasks.buffered_elements(),
                                   processes=self._tasks.num_executors),
                 data_port=data_port.port if data_port is not None else 0,
