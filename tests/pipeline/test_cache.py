@@ -15,6 +15,7 @@ import torch
 from torch_dataservice.pipeline import ExecutionContext, Pipeline
 from torch_dataservice.pipeline.cache import (
     COUNTS,
+    CachedDataset,
     DirectoryStore,
     decode_entry,
     encode_element,
@@ -200,3 +201,26 @@ class _Cursor:
 
     def get_split(self, source_index: int, repetition: int) -> int | None:
         return self._cursor.next(repetition)
+
+
+class _Images(torch.utils.data.Dataset):
+    loads: list[int] = []
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        _Images.loads.append(index)
+        return torch.full((2,), index)
+
+
+def test_a_cached_dataset_loads_each_index_once_and_transforms_every_time() -> None:
+    _Images.loads.clear()
+    dataset = CachedDataset(_Images(), lambda t: t + torch.rand(2))
+    first = [dataset[i] for i in (3, 1, 5)]
+    again = [dataset[i] for i in (5, 3, 1)]
+    assert _Images.loads == [3, 1, 5]
+    assert torch.equal(first[0].floor(), again[1].floor()) and not torch.equal(first[0], again[1])
+    assert len(dataset) == 6
+    with pytest.raises(ValueError, match="transform must be callable, got 3"):
+        CachedDataset(_Images(), 3)

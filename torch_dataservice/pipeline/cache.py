@@ -83,6 +83,9 @@ class CacheCounts:
 
 
 COUNTS = CacheCounts()
+#: The directory of the worker this process is an executor of (set when the executor starts):
+#: where a `CachedDataset` without a location keeps its entries.
+worker_cache_dir: str | None = None
 
 
 # ---------------------------------------------------------------------------- the key
@@ -389,3 +392,52 @@ class Cache(Transform):
         if self.max_bytes is not None:
             args.append(f"max_bytes={self.max_bytes}")
         return f"cache({', '.join(args)})"
+
+
+class CachedDataset(torch.utils.data.Dataset):
+    """A map-style dataset whose `dataset[i]` (the costly load: read and decode) is kept, by
+    index, the first time and read back afterwards, and whose `transform` (random crops, flips)
+    runs on every access: `cache()` for `tds.DataLoader`, whose epochs visit indices in another
+    order (so a split-keyed cache would miss). On a worker, `location=None` keeps the entries in
+    the worker's shared memory, shared by its executor processes; elsewhere in this process's
+    memory. The key is the fingerprint of `dataset` (its class's code and its state) and the
+    index."""
+
+    def __init__(self, dataset: Any, transform: Any = None, *, location: Any = None,
+                 max_bytes: int | None = None) -> None:
+        if not hasattr(dataset, "__getitem__"):
+            raise ValueError(f"CachedDataset needs a map-style dataset, got {dataset!r}")
+        if transform is not None and not callable(transform):
+            raise ValueError(f"CachedDataset transform must be callable, got {transform!r}")
+        self.dataset = dataset
+        self.transform = transform
+        self._cache = Cache(location, max_bytes)  # validates both; holds the memory store
+        self._fingerprint: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        if self._fingerprint is None:
+            digest = hashlib.sha256(cloudpickle.dumps(self.dataset))
+            for cls in type(self.dataset).__mro__:
+                for value in vars(cls).values():
+                    _code_digest(value, digest)
+            self._fingerprint = digest.hexdigest()[:32]
+        directory = self._cache.location or worker_cache_dir
+        store = self._cache.memo.store if directory is None else DirectoryStore(directory)
+        data = store.get(self._fingerprint, str(index))
+        if data is not None:
+            COUNTS.add(hits=1)
+            (element,) = decode_entry(data)
+        else:
+            COUNTS.add(misses=1)
+            element = self.dataset[index]
+            evicted = store.put(self._fingerprint, str(index), encode_element(element),
+                                self._cache.max_bytes)
+            if evicted:
+                COUNTS.add(evictions=evicted)
+        return element if self.transform is None else self.transform(element)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_fingerprint": None}
