@@ -328,10 +328,12 @@ def cache_epochs(paths: list[str], epochs: int, processes: int, max_bytes: int) 
         for epoch in range(epochs):
             reader = pipeline.apply(tds.distribute("distributed_epoch", address,
                                                    job_name=f"cache-epoch-{epoch}"))
+            iterator = iter(reader)
+            next(iterator)  # from the first batch on (a job's start is not the cache's)
             cpu0 = sum(tree_cpu(pid) for pid in everyone)
             start = time.perf_counter()
             images = 0
-            for batch in reader:
+            for batch in iterator:
                 assert batch.shape[1:] == (3, 224, 224)
                 images += len(batch)
             seconds = time.perf_counter() - start

@@ -224,3 +224,20 @@ def test_a_cached_dataset_loads_each_index_once_and_transforms_every_time() -> N
     assert len(dataset) == 6
     with pytest.raises(ValueError, match="transform must be callable, got 3"):
         CachedDataset(_Images(), 3)
+
+
+def test_file_shards_of_one_pipeline_never_read_each_others_entry(tmp_path) -> None:
+    from torch_dataservice.pipeline.sharding import shard_data, shard_files
+
+    files = []
+    for i in range(4):
+        (tmp_path / f"f{i}").write_text(str(i))
+        files.append(str(tmp_path / f"f{i}"))
+    store = tmp_path / "cache"
+    pipeline = Pipeline.list_files(files).map(lambda p: open(p).read()).cache(store)
+    for _ in range(2):  # computed, then read back: each worker's own files
+        assert list(shard_files(pipeline, 2, 0)) == ["0", "2"]
+        assert list(shard_files(pipeline, 2, 1)) == ["1", "3"]
+    # DATA: the shard comes after the cache, whose entry is the whole (shared) pass.
+    assert list(shard_data(pipeline, 2, 1)) == ["1", "3"]
+    assert len(os.listdir(store)) == 3
