@@ -14,6 +14,7 @@ import time
 import uuid
 
 import pytest
+import torch
 
 import torch_dataservice as tds
 from tests.conftest import wait_until
@@ -150,3 +151,30 @@ def test_a_split_cut_short_by_a_killed_executor_is_never_an_entry(
     assert read(cluster, tmp_path, "after-kill") == [x * 10 for x in range(SPLIT * SPLITS)]
     assert entries(worker) == {str(i): SPLIT for i in range(SPLITS)}
     assert calls(tmp_path).count(24) == 2
+
+
+class _Loads(torch.utils.data.Dataset):
+    """Leaves a file per load, from whichever executor process runs it."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        record(self.directory, index)
+        return torch.full((4,), index)
+
+
+@pytest.mark.timeout(120)
+def test_a_cached_dataset_loads_each_index_once_over_dataloader_epochs(
+        cluster_factory, tmp_path) -> None:
+    cluster = cluster_factory(num_workers=1, num_processes=2)
+    dataset = tds.CachedDataset(_Loads(str(tmp_path)), lambda t: t + torch.rand(4))
+    loader = tds.DataLoader(dataset, batch_size=4, shuffle=True, num_workers=2,
+                            service=cluster.target)
+    for _ in range(2):
+        rows = sorted(int(row[0]) for batch in loader for row in batch)
+        assert rows == list(range(24))
+    assert calls(tmp_path) == list(range(24))  # epoch 2 loaded nothing again

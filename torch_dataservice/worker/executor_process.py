@@ -604,8 +604,8 @@ def executor_main(conn: Connection, local: LocalChannel | None = None,
     threads here (WorkerConfig.executor_torch_threads; a process's cores are shared with the
     other executors, as torch's DataLoader sets one thread in its workers)."""
     logging.basicConfig(level=logging.WARNING)
-    if cache_dir is not None:
-        cache.worker_cache_dir = cache_dir  # CachedDataset's default store here
+    if cache_dir is not None and local is None:  # a process of its own: CachedDataset's
+        cache.worker_cache_dir = cache_dir       # default store is the worker's
     if torch_threads is not None:
         import torch
 
