@@ -14,9 +14,11 @@ Groups (`--only`):
             CPUs) vs a `torch-dataservice worker` pinned to core 1 (a remote CPU host, read
             over TCP), alone and together with a second worker on core 0.
   cache     `Pipeline.cache()` after decode + resize (256x256), before the random crop and
-            flip, on one CLI worker: epoch 1 (computed and kept) against epochs 2-5 (read
-            from the worker's cache), CPU per image, images/s, and the worker's memory (RSS of
-            its processes + its cache's shared memory) each epoch.
+            flip, on one CLI worker, 5 epochs (each its own job): epoch 1 (computed and kept)
+            against epochs 2-5 (read from the worker's cache) in CPU per image and images/s,
+            and the worker's memory (RSS of its processes + its cache's shared memory) each
+            epoch; beside the same pipeline without a cache and with max_bytes below the
+            data (LRU over a cyclic scan: few hits, the memory bound is what it shows).
   kernels   decode + RandomResizedCrop per image on one core: Pillow's full decode, the draft
             path, and tf.data's kernels (tf.io.decode_jpeg + non-antialiased resize) when
             `--tf-python` names an interpreter with tensorflow (kept out of this venv: its
