@@ -241,3 +241,20 @@ def test_file_shards_of_one_pipeline_never_read_each_others_entry(tmp_path) -> N
     # DATA: the shard comes after the cache, whose entry is the whole (shared) pass.
     assert list(shard_data(pipeline, 2, 1)) == ["1", "3"]
     assert len(os.listdir(store)) == 3
+
+
+def _module_level(x: int) -> int:
+    return x
+
+
+def test_a_module_function_whose_code_changed_changes_the_key() -> None:
+    # cloudpickle names an importable function by reference: its body must count anyway.
+    pipeline = Pipeline.range(3).map(_module_level)
+    before = fingerprint(pipeline.source, pipeline.transforms)
+    code = _module_level.__code__
+    try:
+        _module_level.__code__ = (lambda x: x + 1).__code__
+        assert fingerprint(pipeline.source, pipeline.transforms) != before
+    finally:
+        _module_level.__code__ = code
+    assert fingerprint(pipeline.source, pipeline.transforms) == before
