@@ -66,6 +66,8 @@ def _fill_worker(worker: status_pb2.WorkerStatus, sample: WorkerSample) -> None:
     load = sample.load
     worker.elements_sent, worker.bytes_sent = load.elements_sent, load.bytes_sent
     worker.buffered_elements = load.buffered_elements
+    worker.cache_bytes, worker.cache_hits = load.cache_bytes, load.cache_hits
+    worker.cache_misses, worker.cache_evictions = load.cache_misses, load.cache_evictions
     worker.elements_per_s = sample.window.rate(0)
     worker.bytes_per_s = sample.window.rate(1)
     _, (_, _, produced, busy) = sample.window.delta()

@@ -16,6 +16,7 @@ from torch_dataservice.rpc import WORKER_SERVICE_NAME, is_version_mismatch, over
 from torch_dataservice.serving import BackgroundLoop, Health, advertised_host, start_grpc_server
 from torch_dataservice.wire import inprocess
 from torch_dataservice.worker import metrics
+from torch_dataservice.worker.cache_index import WorkerCache
 from torch_dataservice.worker.data_port import DataPort
 from torch_dataservice.worker.dispatcher_client import DispatcherClient
 from torch_dataservice.worker.service import WorkerService
@@ -101,6 +102,11 @@ class WorkerServer:
         return self._metrics.port if self._metrics is not None else None
 
     @property
+    def cache(self) -> WorkerCache | None:
+        """The worker's `cache()` store, figures and `cached_splits()` (None before start)."""
+        return self._tasks.cache if self._tasks is not None else None
+
+    @property
     def service(self) -> WorkerService | None:
         return self._service if self._server is not None else None
 
@@ -155,7 +161,8 @@ class WorkerServer:
             return
         registry = new_registry()
         registry.register(Collector(metrics.collector(
-            self._service.counters, self._tasks.stages, self._tasks.buffered_elements)))
+            self._service.counters, self._tasks.stages, self._tasks.cache,
+            self._tasks.buffered_elements)))
         self._metrics = MetricsEndpoint(registry, self._config.host, self._config.metrics_port)
         logger.info("worker metrics at %s", self._metrics.url)
 
@@ -183,7 +190,7 @@ class WorkerServer:
         try:
             response = self._dispatcher.heartbeat(
                 task_ids=self._tasks.task_ids(),
-                load=metrics.load(self._service.counters, self._tasks.stages,
+                load=metrics.load(self._service.counters, self._tasks.stages, self._tasks.cache,
                                   buffered=self._tasks.buffered_elements(),
                                   processes=self._tasks.num_executors),
                 data_port=data_port.port if data_port is not None else 0,
