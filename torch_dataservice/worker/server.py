@@ -17,7 +17,7 @@ from torch_dataservice.serving import BackgroundLoop, Health, advertised_host, s
 from torch_dataservice.wire import inprocess
 from torch_dataservice.worker import metrics
 from torch_dataservice.worker.data_port import DataPort
-from torch_dataservice.worker.dispatcher_client import DispatcherClient
+from torch_dataservice.worker.dispatcher_client import CachedSplits, DispatcherClient
 from torch_dataservice.worker.service import WorkerService
 from torch_dataservice.worker.tasks import TaskManager
 
@@ -56,7 +56,8 @@ class WorkerServer:
     drains (`drain()`, what SIGTERM does in the CLI).
     """
 
-    def __init__(self, config: WorkerConfig, start: bool = True) -> None:
+    def __init__(self, config: WorkerConfig, start: bool = True,
+                 cached_splits: CachedSplits | None = None) -> None:
         self._config = config
         self._server: grpc.Server | None = None
         self._port = config.port
@@ -69,7 +70,10 @@ class WorkerServer:
         self._heartbeat: BackgroundLoop | None = None
         self._data_port: DataPort | None = None
         self._metrics: MetricsEndpoint | None = None
-        self._dispatcher = DispatcherClient(config, self._stopped)
+        # `cached_splits`: the splits held cached here, for split affinity (dispatcher_client).
+        self._dispatcher = DispatcherClient(config, self._stopped, cached_splits)
+        self._dispatcher.flush = self._send_heartbeat
+        self._beat_lock = threading.Lock()  # the loop's beats and flushes, one at a time
         if start:
             self.start()
 
@@ -176,6 +180,10 @@ class WorkerServer:
             self._tasks.close()
 
     def _send_heartbeat(self) -> None:
+        with self._beat_lock:
+            self._beat()
+
+    def _beat(self) -> None:
         if self.refused is not None or self._tasks is None:
             return
         data_port = self._data_port
