@@ -66,6 +66,22 @@ class HeldReport:
         with self._lock:
             self.acknowledged = response.held_version
 
+    def exchange(self, request: dispatcher_pb2.WorkerHeartbeatRequest,
+                 send: Callable[[dispatcher_pb2.WorkerHeartbeatRequest],
+                                dispatcher_pb2.WorkerHeartbeatResponse],
+                 ) -> dispatcher_pb2.WorkerHeartbeatResponse:
+        """Send a heartbeat with what it says of the held splits; once more at once, with
+        the set, if the reply shows the dispatcher lacks it (it restarted: its first splits
+        must not wait a heartbeat interval to go where they are cached). The last reply."""
+        self.fill(request)
+        response = send(request)
+        self.acknowledge(response)
+        if not request.held_report and self.changed():
+            self.fill(request)
+            response = send(request)
+            self.acknowledge(response)
+        return response
+
 
 class DispatcherClient:
     """`address` is the worker's, set once it listens. `draining` set: no new split is asked
@@ -105,12 +121,10 @@ class DispatcherClient:
             host_id=inprocess.HOST_ID, process_id=inprocess.process_id(),
             build=version.to_message(version.current()), load=load, data_port=data_port,
             data_socket=data_socket)
-        if self._held is not None:
-            self._held.fill(request)
-        response = self._stub.WorkerHeartbeat(request, timeout=5)
-        if self._held is not None:
-            self._held.acknowledge(response)
-        return response
+        if self._held is None:
+            return self._stub.WorkerHeartbeat(request, timeout=5)
+        return self._held.exchange(request,
+                                   lambda r: self._stub.WorkerHeartbeat(r, timeout=5))
 
     def _first_ask(self, task_id: int, repetition: int) -> None:
         """Before a task's first split of `repetition`: the held splits reach the dispatcher
