@@ -182,3 +182,16 @@ def test_ahead_records_are_checked_and_kept_by_snapshots() -> None:
     state.apply(pb.Update(produce_split=pb.ProduceSplit(
         iteration_id=2000, repetition=0, split_index=0, task_id=4000)))
     assert (state.iteration(2000).cursor_index, state.iteration(2000).ahead) == (2, {3})
+
+
+def test_status_shows_what_each_worker_holds_and_the_splits_handed_ahead() -> None:
+    from torch_dataservice.observability.status_text import as_text
+
+    service = make_service(Clock())
+    iteration_id, _ = start_epoch(service, num_splits=6)
+    hold(service, "a:1", [2, 3, 4])
+    assert take(service, iteration_id, "a:1") == 2  # ahead of the cursor (at 0)
+    reply = service.cluster_status()
+    assert {w.address: w.held_splits for w in reply.workers} == {"a:1": 3, "b:1": 0}
+    assert reply.iterations[0].splits_handed == 1
+    assert "HELD SPLITS" in as_text(reply, "d:1")

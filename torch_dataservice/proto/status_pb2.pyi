@@ -75,7 +75,7 @@ class DispatcherLoad(_message.Message):
     def __init__(self, cores: _Optional[float] = ..., rpcs_per_s: _Optional[float] = ..., refused_per_s: _Optional[float] = ..., worker_heartbeat_ms: _Optional[int] = ..., client_heartbeat_ms: _Optional[int] = ..., stretch: _Optional[float] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("address", "state", "heartbeat_age_s", "tasks", "elements_per_s", "bytes_per_s", "elements_sent", "bytes_sent", "buffered_elements", "capacity_per_s")
+    __slots__ = ("address", "state", "heartbeat_age_s", "tasks", "elements_per_s", "bytes_per_s", "elements_sent", "bytes_sent", "buffered_elements", "capacity_per_s", "held_splits")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class WorkerStatus(_message.Message):
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     BUFFERED_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_PER_S_FIELD_NUMBER: _ClassVar[int]
+    HELD_SPLITS_FIELD_NUMBER: _ClassVar[int]
     address: str
     state: str
     heartbeat_age_s: float
@@ -96,7 +97,8 @@ class WorkerStatus(_message.Message):
     bytes_sent: int
     buffered_elements: int
     capacity_per_s: float
-    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., heartbeat_age_s: _Optional[float] = ..., tasks: _Optional[int] = ..., elements_per_s: _Optional[float] = ..., bytes_per_s: _Optional[float] = ..., elements_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., buffered_elements: _Optional[int] = ..., capacity_per_s: _Optional[float] = ...) -> None: ...
+    held_splits: int
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., heartbeat_age_s: _Optional[float] = ..., tasks: _Optional[int] = ..., elements_per_s: _Optional[float] = ..., bytes_per_s: _Optional[float] = ..., elements_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., buffered_elements: _Optional[int] = ..., capacity_per_s: _Optional[float] = ..., held_splits: _Optional[int] = ...) -> None: ...
 
 class IterationStatus(_message.Message):
     __slots__ = ("iteration_id", "job_id", "dataset_id", "job_name", "mode", "clients", "num_consumers", "splits_handed", "splits_done", "elements_delivered", "finished", "tasks", "optimal_workers", "repetition")
