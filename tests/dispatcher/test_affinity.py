@@ -195,3 +195,10 @@ def test_status_shows_what_each_worker_holds_and_the_splits_handed_ahead() -> No
     assert {w.address: w.held_splits for w in reply.workers} == {"a:1": 3, "b:1": 0}
     assert reply.iterations[0].splits_handed == 1
     assert "HELD SPLITS" in as_text(reply, "d:1")
+
+
+def test_a_lone_worker_keeps_the_cursors_order() -> None:
+    service = make_service(Clock())
+    iteration_id, _ = start_epoch(service, workers=("a:1",), num_splits=4)
+    hold(service, "a:1", [2, 3])  # it takes every split anyway: no reason to reorder
+    assert [take(service, iteration_id, "a:1") for _ in range(5)] == [0, 1, 2, 3, -1]

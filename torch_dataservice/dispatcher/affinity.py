@@ -15,7 +15,8 @@ are served (they keep priority, dispatcher/splits.py):
      splits queue on another.
 A split other than the cursor's next is journaled as handed ahead (ProduceSplit.ahead,
 dispatcher/state.py), which keeps exactly-once, requeue, resume and the epoch's end as they
-are: a handed split is handed whatever its order. Coordinated reads keep the cursor.
+are: a handed split is handed whatever its order. Coordinated reads, and an iteration with
+one task (one worker takes every split anyway), keep the cursor's order.
 
 Cost: with no report for the dataset, one dict lookup per split; otherwise scans resume where
 the last one stopped (everything before is handed, and stays so within a repetition), so a

@@ -146,7 +146,8 @@ def next_split(state: DispatcherState, soft: SoftState, iteration: Iteration, re
         if waiting:
             raise not_ready
         index = -1
-    elif repetition == iteration.cursor_repetition:  # a split the worker holds cached first
+    elif repetition == iteration.cursor_repetition and len(iteration.task_ids) > 1:
+        # A split the worker holds cached first (a lone task takes all, in order).
         chosen = affinity.choose(soft, config, iteration, repetition, task.worker_address,
                                  index, total)
         if chosen != index:
