@@ -176,6 +176,9 @@ def test_ahead_records_are_checked_and_kept_by_snapshots() -> None:
     assert state.iteration(2000).ahead == {1, 3}
     copy = snapshot.from_bytes(snapshot.to_bytes(state))
     assert copy.iteration(2000).ahead == {1, 3}
+    older = snapshot.to_proto(build_state(*base))  # written before split affinity
+    older.schema_version = 1
+    assert snapshot.from_proto(older).iteration(2000).ahead == set()
     for wrong in (0, 1, 5):  # the cursor's own split, handed already, past the splits
         with pytest.raises(InvalidTransition):
             state.apply(ahead(wrong))

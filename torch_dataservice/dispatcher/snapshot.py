@@ -29,8 +29,10 @@ Update = dispatcher_pb2.Update
 _S = DispatcherSnapshot
 
 # Raise when a change would make an older reader misread a snapshot (and teach from_proto to
-# read the older versions still found on disk).
-SCHEMA_VERSION = 1
+# read the older versions still found on disk). 2: iterations hold the splits handed ahead of
+# their cursor (split affinity), which a version-1 reader would hand again; a version-1
+# snapshot reads as having none.
+SCHEMA_VERSION = 2
 
 # The fields of each state dataclass that to_proto and from_proto carry: extend both, the proto
 # and this table when adding a field to state.py.
