@@ -12,10 +12,16 @@ import pytest
 from tests.dispatcher.builders import (
     Clock,
     Context,
+    acquire_client,
+    create_iteration,
+    create_job,
+    create_task,
+    garbage_collect,
     get_split,
     heartbeat_worker,
     make_service,
     register_dataset,
+    register_worker,
     start_epoch,
     task_of,
     timed_service,
@@ -23,6 +29,7 @@ from tests.dispatcher.builders import (
 from tests.dispatcher.builders import build as build_state
 from torch_dataservice.dispatcher import snapshot
 from torch_dataservice.dispatcher.state import InvalidTransition
+from torch_dataservice.observability.status_text import as_text
 from torch_dataservice.proto import dispatcher_pb2
 from torch_dataservice.wire.splits import index_ranges
 
@@ -157,14 +164,6 @@ def test_a_dead_workers_splits_are_requeued_and_its_held_set_forgotten() -> None
 
 
 def test_ahead_records_are_checked_and_kept_by_snapshots() -> None:
-    from tests.dispatcher.builders import (
-        acquire_client,
-        create_iteration,
-        create_job,
-        create_task,
-        register_worker,
-    )
-
     def ahead(index: int) -> pb.Update:
         return pb.Update(produce_split=pb.ProduceSplit(
             iteration_id=2000, repetition=0, split_index=index, task_id=4000, ahead=True))
@@ -185,11 +184,13 @@ def test_ahead_records_are_checked_and_kept_by_snapshots() -> None:
     state.apply(pb.Update(produce_split=pb.ProduceSplit(
         iteration_id=2000, repetition=0, split_index=0, task_id=4000)))
     assert (state.iteration(2000).cursor_index, state.iteration(2000).ahead) == (2, {3})
+    # Collected and recreated (a trainer resuming later): what went ahead is still handed.
+    state.apply(garbage_collect(2000))
+    state.apply(create_iteration(2001, 5000))
+    assert (state.iteration(2001).cursor_index, state.iteration(2001).ahead) == (2, {3})
 
 
 def test_status_shows_what_each_worker_holds_and_the_splits_handed_ahead() -> None:
-    from torch_dataservice.observability.status_text import as_text
-
     service = make_service(Clock())
     iteration_id, _ = start_epoch(service, num_splits=6)
     hold(service, "a:1", [2, 3, 4])
