@@ -97,9 +97,11 @@ def choose(soft: SoftState, config: common_pb2.JobConfig, iteration: Iteration,
     if not holders or config.HasField("num_consumers"):
         return cursor_next  # the common case: nobody reports anything
 
+    resumed = config.HasField("resume")
+
     def free(index: int) -> bool:
         return (index >= cursor_next and index not in iteration.ahead
-                and resume.first_unconsumed(config, repetition, index) == index)
+                and (not resumed or resume.first_unconsumed(config, repetition, index) == index))
 
     if len(soft.held_scan) + len(soft.unheld_scan) > MAX_SCAN_HINTS:
         soft.held_scan.clear()
