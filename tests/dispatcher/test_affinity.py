@@ -27,7 +27,9 @@ from tests.dispatcher.builders import (
     timed_service,
 )
 from tests.dispatcher.builders import build as build_state
-from torch_dataservice.dispatcher import snapshot
+from tests.dispatcher.test_resume import consumed, resumed_job
+from torch_dataservice.dispatcher import affinity, snapshot, splits
+from torch_dataservice.dispatcher.soft import SoftState
 from torch_dataservice.dispatcher.state import InvalidTransition
 from torch_dataservice.observability.status_text import as_text
 from torch_dataservice.proto import dispatcher_pb2
@@ -206,3 +208,21 @@ def test_a_lone_worker_keeps_the_cursors_order() -> None:
     iteration_id, _ = start_epoch(service, workers=("a:1",), num_splits=4)
     hold(service, "a:1", [2, 3])  # it takes every split anyway: no reason to reorder
     assert [take(service, iteration_id, "a:1") for _ in range(5)] == [0, 1, 2, 3, -1]
+
+
+def test_a_resumed_job_never_hands_a_held_split_read_before() -> None:
+    state = build_state(*resumed_job(consumed([(0, 3)], [(5, 2, [])])),
+                        register_worker("w1:1"), create_task(4001, 2000, "w1:1"))
+    soft = SoftState()
+    request = pb.WorkerHeartbeatRequest(held_version=1, held_report=True)
+    request.held.add(dataset_id="1000", ranges=index_ranges([1, 5, 6]))
+    affinity.note_report(state, soft, "w0:1", request)
+    iteration, task = state.iteration(2000), state.task(4000)
+    handed = []
+    while (produce := splits.next_split(state, soft, iteration, 0, task, 0.0, 5.0)) \
+            is not None and produce.split_index >= 0:
+        state.apply(pb.Update(produce_split=produce))
+        reply = splits.split_response(iteration, ((0, produce.split_index),))
+        handed.append((reply.split_index, list(reply.skip_offsets)))
+    # 1 was read whole before; 5 was read up to offset 2 (handed ahead, those skipped).
+    assert handed == [(5, [0, 1]), (6, []), (3, []), (4, []), (7, [])]
