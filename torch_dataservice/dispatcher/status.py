@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 
+from torch_dataservice.dispatcher import affinity
 from torch_dataservice.dispatcher.observe import ClientSample, DispatcherObserver, WorkerSample
 from torch_dataservice.dispatcher.soft import SoftState
 from torch_dataservice.dispatcher.state import DispatcherState, Iteration
@@ -41,7 +42,8 @@ def cluster_status(state: DispatcherState, soft: SoftState, observed: Dispatcher
     capacity: dict[str, float] = {}
     for address in sorted(state.workers):
         worker = reply.workers.add(address=address,
-                                   tasks=len(state.workers[address].task_ids))
+                                   tasks=len(state.workers[address].task_ids),
+                                   held_splits=affinity.held_count(soft, address))
         worker.heartbeat_age_s = max(0.0, now - soft.worker_seen.get(address, now))
         worker.state = "up" if worker.heartbeat_age_s < worker_timeout_s / 2 else "late"
         sample = observed.workers.get(address)
@@ -121,7 +123,7 @@ def _iteration_status(state: DispatcherState, observed: DispatcherObserver,
     dataset = state.datasets.get(config.dataset_id)
     if config.sharding_policy == ShardingPolicy.DYNAMIC and dataset is not None:
         handed = (iteration.cursor_repetition * dataset.definition.num_splits
-                  + iteration.cursor_index)
+                  + iteration.cursor_index + len(iteration.ahead))
         status.splits_handed = handed
         status.splits_done = max(0, handed - len(iteration.delivered) - len(iteration.requeued))
     samples = [observed.clients[c] for c in sorted(iteration.client_ids)

@@ -31,11 +31,11 @@ def as_text(reply: status_pb2.GetClusterStatusResponse, dispatcher: str) -> str:
              f"{_interval(load.client_heartbeat_ms)}", ""]
     lines += _section(f"WORKERS ({len(reply.workers)})", (
         "ADDRESS", "STATE", "HEARTBEAT", "TASKS", "ELEMENTS/S", "BYTES/S", "SENT",
-        "BUFFERED", "CAPACITY/S", "CACHE"), [
+        "BUFFERED", "CAPACITY/S", "CACHE", "HELD SPLITS"), [
         (w.address, w.state, f"{w.heartbeat_age_s:.1f}s ago", str(w.tasks),
          rate(w.elements_per_s), size(w.bytes_per_s) + "/s", count(w.elements_sent),
          count(w.buffered_elements), rate(w.capacity_per_s) if w.capacity_per_s else "-",
-         _cache(w))
+         _cache(w), count(w.held_splits) if w.held_splits else "-")
         for w in reply.workers])
     lines += _section(f"ITERATIONS ({len(reply.iterations)})", (
         "ID", "DATASET", "JOB", "MODE", "CLIENTS", "TASKS", "SPLITS DONE/HANDED",

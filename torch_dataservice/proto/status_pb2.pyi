@@ -83,7 +83,7 @@ class DispatcherLoad(_message.Message):
     def __init__(self, cores: _Optional[float] = ..., rpcs_per_s: _Optional[float] = ..., refused_per_s: _Optional[float] = ..., worker_heartbeat_ms: _Optional[int] = ..., client_heartbeat_ms: _Optional[int] = ..., stretch: _Optional[float] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("address", "state", "heartbeat_age_s", "tasks", "elements_per_s", "bytes_per_s", "elements_sent", "bytes_sent", "buffered_elements", "capacity_per_s", "cache_bytes", "cache_hits", "cache_misses", "cache_evictions")
+    __slots__ = ("address", "state", "heartbeat_age_s", "tasks", "elements_per_s", "bytes_per_s", "elements_sent", "bytes_sent", "buffered_elements", "capacity_per_s", "cache_bytes", "cache_hits", "cache_misses", "cache_evictions", "held_splits")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class WorkerStatus(_message.Message):
     CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
     CACHE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    HELD_SPLITS_FIELD_NUMBER: _ClassVar[int]
     address: str
     state: str
     heartbeat_age_s: float
@@ -112,7 +113,8 @@ class WorkerStatus(_message.Message):
     cache_hits: int
     cache_misses: int
     cache_evictions: int
-    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., heartbeat_age_s: _Optional[float] = ..., tasks: _Optional[int] = ..., elements_per_s: _Optional[float] = ..., bytes_per_s: _Optional[float] = ..., elements_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., buffered_elements: _Optional[int] = ..., capacity_per_s: _Optional[float] = ..., cache_bytes: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., cache_evictions: _Optional[int] = ...) -> None: ...
+    held_splits: int
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., heartbeat_age_s: _Optional[float] = ..., tasks: _Optional[int] = ..., elements_per_s: _Optional[float] = ..., bytes_per_s: _Optional[float] = ..., elements_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., buffered_elements: _Optional[int] = ..., capacity_per_s: _Optional[float] = ..., cache_bytes: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., cache_evictions: _Optional[int] = ..., held_splits: _Optional[int] = ...) -> None: ...
 
 class IterationStatus(_message.Message):
     __slots__ = ("iteration_id", "job_id", "dataset_id", "job_name", "mode", "clients", "num_consumers", "splits_handed", "splits_done", "elements_delivered", "finished", "tasks", "optimal_workers", "repetition")

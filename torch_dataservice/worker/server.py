@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping, Sequence
 
 import grpc
 
@@ -18,7 +19,7 @@ from torch_dataservice.wire import inprocess
 from torch_dataservice.worker import metrics
 from torch_dataservice.worker.cache_index import WorkerCache
 from torch_dataservice.worker.data_port import DataPort
-from torch_dataservice.worker.dispatcher_client import DispatcherClient
+from torch_dataservice.worker.dispatcher_client import CachedSplits, DispatcherClient
 from torch_dataservice.worker.service import WorkerService
 from torch_dataservice.worker.tasks import TaskManager
 
@@ -57,7 +58,8 @@ class WorkerServer:
     drains (`drain()`, what SIGTERM does in the CLI).
     """
 
-    def __init__(self, config: WorkerConfig, start: bool = True) -> None:
+    def __init__(self, config: WorkerConfig, start: bool = True,
+                 cached_splits: CachedSplits | None = None) -> None:
         self._config = config
         self._server: grpc.Server | None = None
         self._port = config.port
@@ -70,7 +72,12 @@ class WorkerServer:
         self._heartbeat: BackgroundLoop | None = None
         self._data_port: DataPort | None = None
         self._metrics: MetricsEndpoint | None = None
-        self._dispatcher = DispatcherClient(config, self._stopped)
+        # `cached_splits`: the splits held cached here, for split affinity (dispatcher_client);
+        # by default what this worker's own cache() store holds.
+        self._dispatcher = DispatcherClient(config, self._stopped,
+                                            cached_splits or self._held_in_cache)
+        self._dispatcher.flush = self._send_heartbeat
+        self._beat_lock = threading.Lock()  # the loop's beats and flushes, one at a time
         if start:
             self.start()
 
@@ -100,6 +107,9 @@ class WorkerServer:
     def metrics_port(self) -> int | None:
         """The port /metrics is served on (None: metrics are off)."""
         return self._metrics.port if self._metrics is not None else None
+
+    def _held_in_cache(self) -> Mapping[str, Sequence[int]]:
+        return self._tasks.cache.cached_splits() if self._tasks is not None else {}
 
     @property
     def cache(self) -> WorkerCache | None:
@@ -183,6 +193,10 @@ class WorkerServer:
             self._tasks.close()
 
     def _send_heartbeat(self) -> None:
+        with self._beat_lock:
+            self._beat()
+
+    def _beat(self) -> None:
         if self.refused is not None or self._tasks is None:
             return
         data_port = self._data_port
