@@ -198,6 +198,9 @@ def test_real_workers_report_what_they_hold_before_their_first_ask(tmp_path) -> 
             workers.append(tds.WorkerServer(
                 tds.WorkerConfig(server.address, heartbeat_interval_ms=60_000),
                 cached_splits=_provider(held, index)))
+        # Both in the job from its start: an iteration with one task keeps cursor order.
+        wait_until(lambda: len(server._service.state.workers) == 2, 20,  # noqa: SLF001
+                   "both workers registered")
         pipeline = tds.Pipeline.range(N * 5).with_split_size(5)
         dataset_id = tds.register_dataset(server.target, pipeline)
         held[0][dataset_id] = list(range(0, N, 2))
@@ -212,8 +215,15 @@ def test_real_workers_report_what_they_hold_before_their_first_ask(tmp_path) -> 
         produced = [u.produce_split for u in replayed(tmp_path)
                     if u.HasField("produce_split") and u.produce_split.split_index >= 0]
         assert len(produced) == N
+        # A worker takes every split it holds before any other (it takes others' only when it
+        # has none left: how many depends on the two workers' speeds, not on the reports).
+        for task_id, address in task_worker.items():
+            mine = [p.split_index in holder[address] for p in produced if p.task_id == task_id]
+            assert mine and mine[0], f"task {task_id}'s first split was not one it holds"
+            assert mine == sorted(mine, reverse=True), (
+                f"task {task_id} took a split it holds after one it does not: {mine}")
         at_holder = sum(p.split_index in holder[task_worker[p.task_id]] for p in produced)
-        assert at_holder >= 0.9 * N, f"{at_holder} of {N} splits went to their holder"
+        assert at_holder >= 0.5 * N, f"{at_holder} of {N} splits went to their holder"
     finally:
         for worker in workers:
             worker.stop()
