@@ -50,10 +50,11 @@ def test_64_readers_read_an_epoch_exactly_once_at_the_intervals_announced(
     assert len(run.reader_rss_mb) == 8, run.outputs  # every trainer process ended cleanly
 
     figures = measure(run)  # asserts that the 64 readers were attached together
-    # The dispatcher announced at least what the population alone asks (refusals on a busy
-    # machine may stretch it further), in its status and in its metrics.
+    # While the 64 readers were attached, the dispatcher announced at least what that
+    # population alone asks (refusals on a busy machine may stretch it further), in its
+    # status and in its metrics.
     announced = statistics.median(s["load"]["client_heartbeat_ms"] for s in run.status
-                                  if s["ages"])
+                                  if len(s["ages"]) >= 64)
     assert announced >= figures.predicted_client_ms, (announced, figures)
     gauges = [m["metrics"]['tds_dispatcher_heartbeat_interval_seconds{peer="client"}']
               for m in run.metrics if m["metrics"].get("tds_dispatcher_clients", 0) >= 64]
