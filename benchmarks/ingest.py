@@ -317,10 +317,20 @@ def _worker_memory(worker_pid: int) -> tuple[int, int]:
     return rss, cached
 
 
+def _cache_lookups(address: str) -> tuple[int, int]:
+    """(hits, misses) of every worker's cache so far, as their heartbeats reported them."""
+    from torch_dataservice.observability.status_text import fetch_status
+
+    workers = fetch_status(address).workers
+    return sum(w.cache_hits for w in workers), sum(w.cache_misses for w in workers)
+
+
 def cache_epochs(paths: list[str], epochs: int, processes: int,
-                 max_bytes: int | None) -> list[dict]:
-    """`epochs` epochs (each its own job) of the pipeline on one CLI worker: with cache() and
-    `max_bytes`, or (max_bytes 0) without a cache, the baseline."""
+                 max_bytes: int | None, workers: int = 1) -> list[dict]:
+    """`epochs` epochs (each its own job, DYNAMIC) of the pipeline on `workers` CLI workers
+    sharing `processes` executors: with cache() and `max_bytes`, or (max_bytes 0) without a
+    cache, the baseline. With several workers, the share of splits read from a cache shows
+    split affinity at work."""
     import torch_dataservice as tds
 
     pipeline = tds.Pipeline.list_files(paths).map(decode_resized)
@@ -328,10 +338,12 @@ def cache_epochs(paths: list[str], epochs: int, processes: int,
         pipeline = pipeline.cache(max_bytes=max_bytes)
     pipeline = pipeline.map(random_crop_flip).batch(BATCH)
     rows = []
-    with servers([(list(range(len(os.sched_getaffinity(0)))), processes)], [0]) as (
-            address, pids):
+    cores = list(range(len(os.sched_getaffinity(0))))
+    each = max(1, processes // workers)
+    with servers([(cores, each)] * workers, [0]) as (address, pids):
         everyone = [os.getpid(), *pids]
         for epoch in range(epochs):
+            lookups = _cache_lookups(address)
             reader = pipeline.apply(tds.distribute("distributed_epoch", address,
                                                    job_name=f"cache-epoch-{epoch}"))
             iterator = iter(reader)
@@ -344,13 +356,19 @@ def cache_epochs(paths: list[str], epochs: int, processes: int,
                 images += len(batch)
             seconds = time.perf_counter() - start
             cpu = sum(tree_cpu(pid) for pid in everyone) - cpu0
-            rss, cached = _worker_memory(pids[1])
+            memory = [_worker_memory(pid) for pid in pids[1:]]
+            rss, cached = sum(m[0] for m in memory), sum(m[1] for m in memory)
+            time.sleep(1.5)  # the workers' next heartbeats carry the epoch's cache figures
+            (hits, misses), (hits0, misses0) = _cache_lookups(address), lookups
+            hits, misses = hits - hits0, misses - misses0
+            hit_share = hits / (hits + misses) if hits + misses else 0.0
             rows.append({"epoch": epoch + 1, "images": images, "images_per_s": images / seconds,
                          "cpu_ms_per_image": 1000 * cpu / images, "worker_rss": rss,
-                         "cache_shm": cached})
+                         "cache_shm": cached, "splits_from_cache": hit_share})
             print(f"  epoch {epoch + 1}: {images / seconds:7.1f} images/s "
                   f"{1000 * cpu / images:6.2f} CPU ms/image   worker RSS {rss / 2**20:6.0f} MiB"
-                  f" + cache {cached / 2**20:5.0f} MiB", flush=True)
+                  f" + cache {cached / 2**20:5.0f} MiB   splits from cache "
+                  f"{100 * hit_share:3.0f}%", flush=True)
     return rows
 
 
@@ -530,10 +548,11 @@ def main() -> None:
     if "cache" in groups:
         processes = len(os.sched_getaffinity(0))
         series = {}
-        for label, max_bytes in (("no cache (baseline)", 0), ("cache()", None),
-                                 ("cache(max_bytes=32 MiB)", 32 << 20)):
+        for label, max_bytes, workers in (
+                ("no cache (baseline)", 0, 1), ("cache()", None, 1),
+                ("cache(max_bytes=32 MiB)", 32 << 20, 1), ("cache(), 2 workers", None, 2)):
             print(f"\n{label} after decode + resize, 5 epochs:", flush=True)
-            series[label] = epochs = cache_epochs(paths, 5, processes, max_bytes)
+            series[label] = epochs = cache_epochs(paths, 5, processes, max_bytes, workers)
             first, later = epochs[0], epochs[1:]
             cpu = statistics.median(e["cpu_ms_per_image"] for e in later)
             speed = statistics.median(e["images_per_s"] for e in later)
@@ -541,7 +560,9 @@ def main() -> None:
             print(f"  epochs 2-5 against epoch 1 (same run): CPU per image "
                   f"{cpu / first['cpu_ms_per_image']:.2f}x, images/s "
                   f"{speed / first['images_per_s']:.2f}x; peak worker memory "
-                  f"{peak >> 20} MiB", flush=True)
+                  f"{peak >> 20} MiB; splits from cache in epochs 2-5 "
+                  f"{100 * statistics.median(e['splits_from_cache'] for e in later):.0f}%",
+                  flush=True)
         rows.append({"group": "cache", "series": series})
     for group in (g for g in groups if g not in ("kernels", "cache")):
         chosen = cases(group, cores)
