@@ -13,6 +13,12 @@ Groups (`--only`):
             sleep, and a variant that burns CPU): torch's workers on core 0 (the GPU host's
             CPUs) vs a `torch-dataservice worker` pinned to core 1 (a remote CPU host, read
             over TCP), alone and together with a second worker on core 0.
+  cache     `Pipeline.cache()` after decode + resize (256x256), before the random crop and
+            flip, on one CLI worker, 5 epochs (each its own job): epoch 1 (computed and kept)
+            against epochs 2-5 (read from the worker's cache) in CPU per image and images/s,
+            and the worker's memory (RSS of its processes + its cache's shared memory) each
+            epoch; beside the same pipeline without a cache and with max_bytes below the
+            data (LRU over a cyclic scan: few hits, the memory bound is what it shows).
   kernels   decode + RandomResizedCrop per image on one core: Pillow's full decode, the draft
             path, and tf.data's kernels (tf.io.decode_jpeg + non-antialiased resize) when
             `--tf-python` names an interpreter with tensorflow (kept out of this venv: its
@@ -25,6 +31,7 @@ share of the trainer's time spent waiting. Ratios are against torch's plain path
     python benchmarks/ingest.py --quick                  # ~3 min
     python benchmarks/ingest.py                          # ~15 min
     python benchmarks/ingest.py --only disagg --step-ms 100
+    python benchmarks/ingest.py --quick --only cache     # ~1 min
 """
 
 from __future__ import annotations
@@ -275,6 +282,96 @@ def _wait_for_workers(address: str, count: int, timeout_s: float = 90.0) -> None
     raise TimeoutError(f"{count} workers did not register with {address} in {timeout_s}s")
 
 
+# ----------------------------------------------------------------------------- cache
+CACHED_SIDE = 256
+
+
+def decode_resized(path: str) -> torch.Tensor:
+    """The step worth caching: read, decode whole, resize to 256x256 (uint8 CHW)."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        image = image.convert("RGB").resize((CACHED_SIDE, CACHED_SIDE), Image.BILINEAR)
+        return torch.from_numpy(np.ascontiguousarray(np.asarray(image).transpose(2, 0, 1)))
+
+
+def random_crop_flip(image: torch.Tensor) -> torch.Tensor:
+    """The step run every epoch: a random 224x224 crop, flipped with p=0.5."""
+    top, left = np.random.randint(0, CACHED_SIDE - 224 + 1, size=2)
+    crop = image[:, top:top + 224, left:left + 224]
+    return (crop.flip(2) if np.random.rand() < 0.5 else crop).contiguous()
+
+
+def _worker_memory(worker_pid: int) -> tuple[int, int]:
+    """(RSS of the worker and its executors, bytes of its cache directory in /dev/shm)."""
+    import glob
+
+    import psutil
+
+    root = psutil.Process(worker_pid)
+    rss = sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+    cached = 0
+    for directory in glob.glob(f"/dev/shm/tds-cache-{worker_pid}-*"):
+        for folder, _, files in os.walk(directory):
+            cached += sum(os.path.getsize(os.path.join(folder, f)) for f in files)
+    return rss, cached
+
+
+def _cache_lookups(address: str) -> tuple[int, int]:
+    """(hits, misses) of every worker's cache so far, as their heartbeats reported them."""
+    from torch_dataservice.observability.status_text import fetch_status
+
+    workers = fetch_status(address).workers
+    return sum(w.cache_hits for w in workers), sum(w.cache_misses for w in workers)
+
+
+def cache_epochs(paths: list[str], epochs: int, processes: int,
+                 max_bytes: int | None, workers: int = 1) -> list[dict]:
+    """`epochs` epochs (each its own job, DYNAMIC) of the pipeline on `workers` CLI workers
+    sharing `processes` executors: with cache() and `max_bytes`, or (max_bytes 0) without a
+    cache, the baseline. With several workers, the share of splits read from a cache shows
+    split affinity at work."""
+    import torch_dataservice as tds
+
+    pipeline = tds.Pipeline.list_files(paths).map(decode_resized)
+    if max_bytes != 0:
+        pipeline = pipeline.cache(max_bytes=max_bytes)
+    pipeline = pipeline.map(random_crop_flip).batch(BATCH)
+    rows = []
+    cores = list(range(len(os.sched_getaffinity(0))))
+    each = max(1, processes // workers)
+    with servers([(cores, each)] * workers, [0]) as (address, pids):
+        everyone = [os.getpid(), *pids]
+        for epoch in range(epochs):
+            lookups = _cache_lookups(address)
+            reader = pipeline.apply(tds.distribute("distributed_epoch", address,
+                                                   job_name=f"cache-epoch-{epoch}"))
+            iterator = iter(reader)
+            next(iterator)  # from the first batch on (a job's start is not the cache's)
+            cpu0 = sum(tree_cpu(pid) for pid in everyone)
+            start = time.perf_counter()
+            images = 0
+            for batch in iterator:
+                assert batch.shape[1:] == (3, 224, 224)
+                images += len(batch)
+            seconds = time.perf_counter() - start
+            cpu = sum(tree_cpu(pid) for pid in everyone) - cpu0
+            memory = [_worker_memory(pid) for pid in pids[1:]]
+            rss, cached = sum(m[0] for m in memory), sum(m[1] for m in memory)
+            time.sleep(1.5)  # the workers' next heartbeats carry the epoch's cache figures
+            (hits, misses), (hits0, misses0) = _cache_lookups(address), lookups
+            hits, misses = hits - hits0, misses - misses0
+            hit_share = hits / (hits + misses) if hits + misses else 0.0
+            rows.append({"epoch": epoch + 1, "images": images, "images_per_s": images / seconds,
+                         "cpu_ms_per_image": 1000 * cpu / images, "worker_rss": rss,
+                         "cache_shm": cached, "splits_from_cache": hit_share})
+            print(f"  epoch {epoch + 1}: {images / seconds:7.1f} images/s "
+                  f"{1000 * cpu / images:6.2f} CPU ms/image   worker RSS {rss / 2**20:6.0f} MiB"
+                  f" + cache {cached / 2**20:5.0f} MiB   splits from cache "
+                  f"{100 * hit_share:3.0f}%", flush=True)
+    return rows
+
+
 # ----------------------------------------------------------------------------- kernels
 def kernel_costs(paths: list[str], count: int) -> dict[str, float]:
     """CPU ms per image of decode + RandomResizedCrop(224) + flip on this core."""
@@ -410,7 +507,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2, help="epochs per case and round")
     parser.add_argument("--rounds", type=int, default=None, help="rounds of every case")
     parser.add_argument("--only", default="equal,disagg,kernels",
-                        help="comma-separated groups: equal, disagg, kernels")
+                        help="comma-separated groups: equal, disagg, cache, kernels")
     parser.add_argument("--cases", default=None,
                         help="comma-separated case names to keep (the first is the baseline)")
     parser.add_argument("--step-ms", type=float, default=100.0,
@@ -448,7 +545,26 @@ def main() -> None:
         for name, ms in costs.items():
             print(f"  {name:20s} {ms:6.2f} ms   ({costs['pil_full'] / ms:.2f}x pil_full)")
         rows.append({"group": "kernels", **costs})
-    for group in (g for g in groups if g != "kernels"):
+    if "cache" in groups:
+        processes = len(os.sched_getaffinity(0))
+        series = {}
+        for label, max_bytes, workers in (
+                ("no cache (baseline)", 0, 1), ("cache()", None, 1),
+                ("cache(max_bytes=32 MiB)", 32 << 20, 1), ("cache(), 2 workers", None, 2)):
+            print(f"\n{label} after decode + resize, 5 epochs:", flush=True)
+            series[label] = epochs = cache_epochs(paths, 5, processes, max_bytes, workers)
+            first, later = epochs[0], epochs[1:]
+            cpu = statistics.median(e["cpu_ms_per_image"] for e in later)
+            speed = statistics.median(e["images_per_s"] for e in later)
+            peak = max(e["worker_rss"] + e["cache_shm"] for e in epochs)
+            print(f"  epochs 2-5 against epoch 1 (same run): CPU per image "
+                  f"{cpu / first['cpu_ms_per_image']:.2f}x, images/s "
+                  f"{speed / first['images_per_s']:.2f}x; peak worker memory "
+                  f"{peak >> 20} MiB; splits from cache in epochs 2-5 "
+                  f"{100 * statistics.median(e['splits_from_cache'] for e in later):.0f}%",
+                  flush=True)
+        rows.append({"group": "cache", "series": series})
+    for group in (g for g in groups if g not in ("kernels", "cache")):
         chosen = cases(group, cores)
         if args.cases:
             keep = args.cases.split(",")

@@ -10,7 +10,7 @@ import torch_dataservice as tds
 API_NAMES = {
     "DispatcherConfig", "DispatchServer", "WorkerConfig", "WorkerServer", "Pipeline",
     "ShardingPolicy", "SHARD_HINT", "CrossTrainerCache", "distribute", "register_dataset",
-    "from_dataset_id", "DataLoader", "read_bytes",
+    "from_dataset_id", "DataLoader", "read_bytes", "CachedDataset",
 }
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"  # = version.PACKAGE_VERSION and pyproject.toml (tests/test_version.py)
 
 _EXPORTS = {
+    "CachedDataset": "torch_dataservice.pipeline.cache",
     "CrossTrainerCache": "torch_dataservice.client.api",
     "ShardingPolicy": "torch_dataservice.policies",
     "distribute": "torch_dataservice.client.api",
@@ -35,6 +36,7 @@ _EXPORTS = {
 
 __all__ = [
     "SHARD_HINT",
+    "CachedDataset",
     "CrossTrainerCache",
     "DataLoader",
     "DispatchServer",
@@ -64,6 +66,7 @@ if TYPE_CHECKING:
     from torch_dataservice.dispatcher.server import DispatchServer
     from torch_dataservice.errors import RemoteError, VersionMismatchError
     from torch_dataservice.pipeline import SHARD_HINT, Pipeline
+    from torch_dataservice.pipeline.cache import CachedDataset
     from torch_dataservice.pipeline.storage import read_bytes
     from torch_dataservice.torch.dataloader import DataLoader
     from torch_dataservice.worker.server import WorkerServer

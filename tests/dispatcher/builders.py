@@ -219,15 +219,18 @@ def heartbeat_worker(service: DispatcherService, address: str, uid: int = 1,
         worker_address=address, worker_uid=uid, current_tasks=tasks), None)
 
 
-def start_epoch(service: DispatcherService, workers=("a:1", "b:1")) -> tuple[int, int]:
-    """A DYNAMIC job over 4 splits, one iteration, one client; returns (iteration, client)."""
+def start_epoch(service: DispatcherService, workers=("a:1", "b:1"), num_splits: int = 4,
+                job_name: str = "j") -> tuple[int, int]:
+    """A DYNAMIC job over `num_splits` splits (dataset "1000"), one iteration, one client;
+    returns (iteration, client)."""
     for address in workers:
         heartbeat_worker(service, address)
-    dataset = common_pb2.DatasetDef(pipeline=b"p", splittable=True, num_splits=4, fingerprint="f")
+    dataset = common_pb2.DatasetDef(pipeline=b"p", splittable=True, num_splits=num_splits,
+                                    fingerprint="f")
     dataset_id = service.GetOrRegisterDataset(
         pb.GetOrRegisterDatasetRequest(dataset=dataset), None).dataset_id
     job = service.GetOrCreateJob(pb.GetOrCreateJobRequest(config=common_pb2.JobConfig(
-        dataset_id=dataset_id, job_name="j", sharding_policy=1)), None)
+        dataset_id=dataset_id, job_name=job_name, sharding_policy=1)), None)
     reply = service.GetOrCreateIteration(pb.GetOrCreateIterationRequest(job_id=job.job_id), None)
     return reply.iteration_id, reply.client_id
 

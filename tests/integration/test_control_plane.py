@@ -96,6 +96,34 @@ def test_workers_and_readers_report_at_the_interval_the_dispatcher_asks(cluster_
         membership.release()
 
 
+@pytest.mark.timeout(60)
+def test_a_reader_of_a_pipeline_reports_at_the_interval_the_dispatcher_asks(
+        cluster_factory) -> None:
+    """The reader a user gets (tds.distribute), not a bare Membership: it beats at the
+    interval asked, and a gap between its answered heartbeats that is as long as asked is
+    no pause (no extra heartbeat before the next element)."""
+    cluster = cluster_factory(num_workers=1, heartbeat_budget_rps=2)
+    service = cluster.dispatcher._service  # noqa: SLF001 (introspection)
+    elements = iter(tds.Pipeline.range(10**6).apply(tds.distribute(
+        "distributed_epoch", cluster.target, job_name="paced-reader")))
+    try:
+        next(elements)
+        # 1 worker + 1 reader at a budget of 2/s: readers 600 ms (as in the test above).
+        wait_until(lambda: service.cadence.client_ms == 600, 15, "the readers' interval")
+        time.sleep(1.0)  # the reader has the interval from a reply since
+        calls = service._observe.calls["ClientHeartbeat"]  # noqa: SLF001
+        began = time.monotonic()
+        while time.monotonic() - began < 3.0:  # a steady consumer: an element every 10 ms
+            next(elements)
+            time.sleep(0.01)
+        beats = service._observe.calls["ClientHeartbeat"] - calls  # noqa: SLF001
+    finally:
+        elements.close()
+    # 5 in 3 s at 600 ms; 30 at the reader's own 100 ms; 10 with one more after every gap
+    # past 0.5 s (reader.PAUSE_S) taken for a pause.
+    assert 3 <= beats <= 7, beats
+
+
 @pytest.mark.timeout(120)
 def test_an_overloaded_dispatcher_refuses_and_its_readers_back_off_and_finish(
         cluster_factory, caplog, monkeypatch) -> None:

@@ -70,7 +70,8 @@ def test_status_of_a_dispatcher_that_is_not_there_fails_fast_and_says_so():
 def test_status_text_aligns_columns_and_gives_rates_units() -> None:
     reply = status_pb2.GetClusterStatusResponse(uptime_s=75, version="0.1.0", protocol="1")
     reply.workers.add(address="10.0.0.1:5001", state="up", heartbeat_age_s=0.2, tasks=1,
-                      elements_per_s=1234.5, bytes_per_s=2.5e6, elements_sent=10_000)
+                      elements_per_s=1234.5, bytes_per_s=2.5e6, elements_sent=10_000,
+                      cache_bytes=3_000_000, cache_hits=97, cache_misses=3, cache_evictions=2)
     reply.workers.add(address="10.0.0.22:5001", state="late", heartbeat_age_s=6.0)
     text = as_text(reply, "d:5000")
     lines = text.splitlines()
@@ -80,3 +81,5 @@ def test_status_text_aligns_columns_and_gives_rates_units() -> None:
                 for row, s in zip(rows, ["STATE", "up", "late"], strict=True)}) == 1
     assert "1,234/s" in text and "2.5 MB/s" in text and "up 1m15s" in text
     assert "ITERATIONS (0): none" in text
+    assert "CACHE" in lines[header] and "3.0 MB 97% hits 2 evicted" in rows[1]
+    assert rows[2].rstrip().endswith("-")  # no cache

@@ -68,7 +68,7 @@ class ScriptedFront:
 def replica_for(answer: Callable[[SplitRequest], list[int]],
                 credits: int = 1024) -> tuple[_Replica, ScriptedFront]:
     front = ScriptedFront(answer)
-    front.replica = _Replica(front, KEY, None, compression=None, use_splits=True,
+    front.replica = _Replica(front, KEY, None, dataset_id="d", compression=None, use_splits=True,
                               credits=credits)
     return front.replica, front
 

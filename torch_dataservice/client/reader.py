@@ -16,7 +16,8 @@ elements over as the objects its pipeline produced, not encoded (wire/inprocess.
 consumer shares them with the pipeline, as with torch's DataLoader and `num_workers=0`.
 
 Exactly-once DYNAMIC: an element is acknowledged when `__next__` returns it, and the
-acknowledgements ride on the next heartbeat. After a pause (no heartbeat answered for PAUSE_S)
+acknowledgements ride on the next heartbeat. After a pause (no heartbeat answered for PAUSE_S,
+or two heartbeat intervals when the dispatcher stretched them: dispatcher/cadence.py)
 `__next__` asks the dispatcher before it returns more; declared silent meanwhile, the reader
 drops what it holds unacknowledged of the splits handed again to the job's other readers. So
 the one at-least-once window is what it returned in its last heartbeat interval before the
@@ -157,7 +158,7 @@ class IterationReader:
 
     # ------------------------------------------------------------------ observability
     def _heartbeat_loop(self) -> None:
-        while not self._membership.closed.wait(HEARTBEAT_INTERVAL_S):
+        while not self._membership.closed.wait(self._membership.interval_s):
             self._membership.heartbeat()
             self._figures.report_wait(self._membership, self._target_workers)
 
@@ -355,14 +356,17 @@ class IterationReader:
                 self._figures.waited(blocked)
 
     def _after_pause(self) -> None:
-        """Exactly-once DYNAMIC: no heartbeat sent since PAUSE_S ago was answered (this
-        process was paused or starved): ask the dispatcher before yielding more, since it may
-        have declared this reader silent and handed what it holds to the job's other readers
-        (then `__next__` drops it: _drop_handed_again). Once per such gap: a dispatcher
-        that is down does not stall every element; none while the dispatcher is known to be
-        down (the gap is its, not a pause)."""
+        """Exactly-once DYNAMIC: no heartbeat sent since PAUSE_S (or two intervals) ago was
+        answered (this process was paused or starved): ask the dispatcher before yielding
+        more, since it may have declared this reader silent and handed what it holds to the
+        job's other readers (then `__next__` drops it: _drop_handed_again). Once per such
+        gap: a dispatcher that is down does not stall every element; none while the
+        dispatcher is known to be down (the gap is its, not a pause)."""
         answered_at = self._membership.answered_at
-        if (time.monotonic() - answered_at > PAUSE_S and answered_at != self._pause_checked
+        # A stretched interval (dispatcher/cadence.py) is no pause: two of them are, still
+        # well before the dispatcher takes the reader for silent (4 intervals at least).
+        pause_s = max(PAUSE_S, 2 * self._membership.interval_s)
+        if (time.monotonic() - answered_at > pause_s and answered_at != self._pause_checked
                 and self._membership.down_since is None):
             self._pause_checked = answered_at
             self._membership.heartbeat()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
-from torch_dataservice.dispatcher import liveness, splits, tasks
+from torch_dataservice.dispatcher import affinity, liveness, splits, tasks
 from torch_dataservice.dispatcher.observe import DispatcherObserver
 from torch_dataservice.dispatcher.soft import SoftState
 from torch_dataservice.dispatcher.state import DispatcherState, Iteration
@@ -54,6 +54,7 @@ class Effects:
                        if u.HasField("requeue_split")}
         self._apply(*updates)
         self._observe.forget_worker(address)
+        affinity.forget_worker(self._soft, address)
         now, created = self._clock(), []
         for iteration_id in sorted(requeued_in):
             self._soft.note_requeue(iteration_id, now)

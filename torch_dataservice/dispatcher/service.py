@@ -20,6 +20,7 @@ from typing import Any
 
 from torch_dataservice.config import DispatcherConfig
 from torch_dataservice.dispatcher import (
+    affinity,
     coordinated,
     liveness,
     recovery,
@@ -302,7 +303,8 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                                                     self._num_workers)
             response = dispatcher_pb2.WorkerHeartbeatResponse(
                 worker_index=self._state.workers[address].index, new_tasks=new,
-                tasks_to_delete=delete, next_heartbeat_ms=self._cadence.worker_ms)
+                tasks_to_delete=delete, next_heartbeat_ms=self._cadence.worker_ms,
+                held_version=affinity.note_report(self._state, self._soft, address, request))
         self._pusher.push(pushes)
         return response
 

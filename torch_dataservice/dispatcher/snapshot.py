@@ -29,8 +29,10 @@ Update = dispatcher_pb2.Update
 _S = DispatcherSnapshot
 
 # Raise when a change would make an older reader misread a snapshot (and teach from_proto to
-# read the older versions still found on disk).
-SCHEMA_VERSION = 1
+# read the older versions still found on disk). 2: iterations hold the splits handed ahead of
+# their cursor (split affinity), which a version-1 reader would hand again; a version-1
+# snapshot reads as having none.
+SCHEMA_VERSION = 2
 
 # The fields of each state dataclass that to_proto and from_proto carry: extend both, the proto
 # and this table when adding a field to state.py.
@@ -43,7 +45,7 @@ COVERED: dict[type, tuple[str, ...]] = {
            "splits", "last_split"),
     RequeuedSplit: ("repetition", "index", "delivered_offsets"),
     Iteration: ("iteration_id", "job_id", "repetition", "task_ids", "client_ids",
-                "garbage_collected", "cursor_repetition", "cursor_index", "requeued",
+                "garbage_collected", "cursor_repetition", "cursor_index", "ahead", "requeued",
                 "delivered", "produced", "removals", "sizes"),
     DispatcherState: ("datasets", "dataset_by_fingerprint", "workers", "jobs", "job_by_name",
                       "iterations", "iteration_by_key", "tasks", "clients", "next_ids"),
@@ -76,6 +78,7 @@ def _iteration(it: Iteration) -> snapshot_pb2.DispatcherSnapshot.Iteration:
         task_ids=it.task_ids, client_ids=sorted(it.client_ids),
         garbage_collected=it.garbage_collected,
         cursor_repetition=it.cursor_repetition, cursor_index=it.cursor_index,
+        ahead=sorted(it.ahead),
         requeued=[_S.RequeuedSplit(split=_key((r.repetition, r.index)),
                                    delivered_offsets=sorted(r.delivered_offsets))
                   for r in it.requeued],
@@ -155,6 +158,7 @@ def from_proto(msg: DispatcherSnapshot) -> DispatcherState:
             it.iteration_id, it.job_id, it.repetition, task_ids=list(it.task_ids),
             client_ids=set(it.client_ids), garbage_collected=it.garbage_collected,
             cursor_repetition=it.cursor_repetition, cursor_index=it.cursor_index,
+            ahead=set(it.ahead),
             requeued=[RequeuedSplit(r.split.repetition, r.split.index,
                                     frozenset(r.delivered_offsets)) for r in it.requeued],
             delivered={_split(d.split): set(d.offsets) for d in it.delivered},

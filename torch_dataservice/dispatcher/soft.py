@@ -59,6 +59,15 @@ class SoftState:
     ephemeral_reused: dict[str, float] = field(default_factory=dict)
     # Clients whose iteration a journal recovery dropped.
     dropped_clients: set[int] = field(default_factory=set)
+    # Split affinity (dispatcher/affinity.py): per worker, per dataset, the split indices it
+    # holds cached (ascending) and the version of its report; per dataset, how many workers
+    # hold each split; and where the last scan for a free split stopped (mere hints).
+    held: dict[str, dict[str, tuple[int, ...]]] = field(default_factory=dict)
+    held_version: dict[str, int] = field(default_factory=dict)
+    holders: dict[str, dict[int, int]] = field(default_factory=dict)
+    held_scan: dict[tuple[int, int, str], tuple[tuple[int, ...], int]] = field(
+        default_factory=dict)
+    unheld_scan: dict[tuple[int, int], int] = field(default_factory=dict)
 
     @classmethod
     def restored(cls, state: DispatcherState, now: float) -> SoftState:

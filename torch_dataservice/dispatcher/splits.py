@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from torch_dataservice.dispatcher import resume
+from torch_dataservice.dispatcher import affinity, resume
 from torch_dataservice.dispatcher.soft import SoftState
 from torch_dataservice.dispatcher.state import DispatcherState, Iteration, Task
 from torch_dataservice.errors import NotReadyError
@@ -115,8 +115,9 @@ def next_split(state: DispatcherState, soft: SoftState, iteration: Iteration, re
                task: Task, now: float,
                worker_timeout_s: float) -> dispatcher_pb2.ProduceSplit | None:
     """The next split for `task` in `repetition`: a requeued one first (oldest first, of any
-    repetition: see the module docstring), then the cursor. At the end of the splits: None,
-    or a record with split_index -1 when the cursor moves to `repetition`.
+    repetition: see the module docstring), then the cursor's, or one the task's worker holds
+    cached (dispatcher/affinity.py: handed ahead of the cursor). At the end of the splits:
+    None, or a record with split_index -1 when the cursor moves to `repetition`.
 
     Raises NotReadyError (UNAVAILABLE: the worker retries) when only requeued splits are left
     and clients have not yet reported what they received of them.
@@ -138,11 +139,21 @@ def next_split(state: DispatcherState, soft: SoftState, iteration: Iteration, re
         return None
     index = iteration.cursor_index if repetition == iteration.cursor_repetition else 0
     # A resumed job skips the splits its trainer read whole before (dispatcher/resume.py).
-    index = resume.first_unconsumed(state.job(iteration.job_id).config, repetition, index)
-    if index >= num_splits(state, iteration):
+    config = state.job(iteration.job_id).config
+    index = resume.first_unconsumed(config, repetition, index)
+    total = num_splits(state, iteration)
+    if index >= total:
         if waiting:
             raise not_ready
         index = -1
+    elif repetition == iteration.cursor_repetition and len(iteration.task_ids) > 1:
+        # A split the worker holds cached first (a lone task takes all, in order).
+        chosen = affinity.choose(soft, config, iteration, repetition, task.worker_address,
+                                 index, total)
+        if chosen != index:
+            return dispatcher_pb2.ProduceSplit(
+                iteration_id=iteration.iteration_id, repetition=repetition,
+                task_id=task.task_id, split_index=chosen, ahead=True)
     return dispatcher_pb2.ProduceSplit(iteration_id=iteration.iteration_id,
                                        repetition=repetition, task_id=task.task_id,
                                        split_index=index)

@@ -95,9 +95,13 @@ class Iteration:
     task_ids: list[int] = field(default_factory=list)
     client_ids: set[int] = field(default_factory=set)
     garbage_collected: bool = False
-    # DYNAMIC split cursor: the repetition being handed out and the next split index in it.
+    # DYNAMIC split cursor: the repetition being handed out and the next split index in it,
+    # and the splits of that repetition handed ahead of it (split affinity: a worker that
+    # holds one cached got it first, dispatcher/affinity.py). The cursor steps over those when
+    # it gets there, so its next split is never one of them and all of them lie beyond it.
     cursor_repetition: int = 0
     cursor_index: int = 0
+    ahead: set[int] = field(default_factory=set)
     requeued: list[RequeuedSplit] = field(default_factory=list)
     # Exactly-once DYNAMIC, for splits handed out and not settled: the offsets clients reported
     # received, and (once the worker finished producing it) how many elements the split has.
@@ -187,6 +191,7 @@ class DispatcherState:
             collected = self.iterations[old]
             iteration.cursor_repetition = collected.cursor_repetition
             iteration.cursor_index = collected.cursor_index
+            iteration.ahead = set(collected.ahead)
             iteration.requeued, collected.requeued = collected.requeued, []
         self.iterations[u.iteration_id] = iteration
         self.iteration_by_key[key] = u.iteration_id
@@ -235,22 +240,56 @@ class DispatcherState:
         else:
             if u.repetition > iteration.cursor_repetition:
                 iteration.cursor_repetition, iteration.cursor_index = u.repetition, 0
+                iteration.ahead.clear()
             if u.split_index < 0:  # end of splits: the next repetition starts
                 iteration.cursor_repetition, iteration.cursor_index = u.repetition + 1, 0
+                iteration.ahead.clear()
                 return
             config = self.jobs[iteration.job_id].config
             # A resumed job's cursor steps over the splits read whole before (resume.py).
             expected = resume.first_unconsumed(config, u.repetition, iteration.cursor_index)
-            if u.split_index != expected:
+            if u.ahead:
+                self._check_ahead(iteration, config, u, expected)
+                iteration.ahead.add(u.split_index)
+            elif u.split_index != expected:
                 raise InvalidTransition(
                     f"split {u.split_index} out of order (cursor at {iteration.cursor_index}, "
                     f"next unconsumed {expected})"
                 )
-            iteration.cursor_index = u.split_index + 1
+            else:
+                iteration.cursor_index = u.split_index + 1
+                self._step_over_ahead(iteration, config)
             iteration.delivered.setdefault(key, set()).update(
                 resume.consumed_offsets(config, u.repetition, u.split_index))
         if task is not None and u.split_index >= 0:
             task.splits.add(key)
+
+    def _check_ahead(self, iteration: Iteration, config: common_pb2.JobConfig,
+                     u: dispatcher_pb2.ProduceSplit, expected: int) -> None:
+        """A split handed ahead lies beyond the cursor's next split, in the cursor's
+        repetition, among the splits, not handed nor read before a resume."""
+        num_splits = self.datasets[config.dataset_id].definition.num_splits
+        if (u.repetition != iteration.cursor_repetition or u.requeued
+                or not expected < u.split_index < num_splits
+                or u.split_index in iteration.ahead
+                or resume.first_unconsumed(config, u.repetition, u.split_index)
+                != u.split_index):
+            raise InvalidTransition(
+                f"split {u.repetition}/{u.split_index} cannot be handed ahead (cursor at "
+                f"{iteration.cursor_repetition}/{iteration.cursor_index}, next {expected}, "
+                f"{len(iteration.ahead)} handed ahead)")
+
+    @staticmethod
+    def _step_over_ahead(iteration: Iteration, config: common_pb2.JobConfig) -> None:
+        """Move the cursor past the splits handed ahead that it reached: its next split is
+        then never one of them (dispatcher/splits.py hands it as is)."""
+        while iteration.ahead:
+            following = resume.first_unconsumed(config, iteration.cursor_repetition,
+                                                iteration.cursor_index)
+            if following not in iteration.ahead:
+                return
+            iteration.ahead.discard(following)
+            iteration.cursor_index = following + 1
 
     def _apply_requeue_split(self, u: dispatcher_pb2.RequeueSplit) -> None:
         iteration = self.iterations[u.iteration_id]

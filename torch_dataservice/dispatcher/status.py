@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 
+from torch_dataservice.dispatcher import affinity
 from torch_dataservice.dispatcher.observe import ClientSample, DispatcherObserver, WorkerSample
 from torch_dataservice.dispatcher.soft import SoftState
 from torch_dataservice.dispatcher.state import DispatcherState, Iteration
@@ -41,7 +42,8 @@ def cluster_status(state: DispatcherState, soft: SoftState, observed: Dispatcher
     capacity: dict[str, float] = {}
     for address in sorted(state.workers):
         worker = reply.workers.add(address=address,
-                                   tasks=len(state.workers[address].task_ids))
+                                   tasks=len(state.workers[address].task_ids),
+                                   held_splits=affinity.held_count(soft, address))
         worker.heartbeat_age_s = max(0.0, now - soft.worker_seen.get(address, now))
         worker.state = "up" if worker.heartbeat_age_s < worker_timeout_s / 2 else "late"
         sample = observed.workers.get(address)
@@ -66,6 +68,8 @@ def _fill_worker(worker: status_pb2.WorkerStatus, sample: WorkerSample) -> None:
     load = sample.load
     worker.elements_sent, worker.bytes_sent = load.elements_sent, load.bytes_sent
     worker.buffered_elements = load.buffered_elements
+    worker.cache_bytes, worker.cache_hits = load.cache_bytes, load.cache_hits
+    worker.cache_misses, worker.cache_evictions = load.cache_misses, load.cache_evictions
     worker.elements_per_s = sample.window.rate(0)
     worker.bytes_per_s = sample.window.rate(1)
     _, (_, _, produced, busy) = sample.window.delta()
@@ -119,7 +123,7 @@ def _iteration_status(state: DispatcherState, observed: DispatcherObserver,
     dataset = state.datasets.get(config.dataset_id)
     if config.sharding_policy == ShardingPolicy.DYNAMIC and dataset is not None:
         handed = (iteration.cursor_repetition * dataset.definition.num_splits
-                  + iteration.cursor_index)
+                  + iteration.cursor_index + len(iteration.ahead))
         status.splits_handed = handed
         status.splits_done = max(0, handed - len(iteration.delivered) - len(iteration.requeued))
     samples = [observed.clients[c] for c in sorted(iteration.client_ids)

@@ -31,10 +31,11 @@ def as_text(reply: status_pb2.GetClusterStatusResponse, dispatcher: str) -> str:
              f"{_interval(load.client_heartbeat_ms)}", ""]
     lines += _section(f"WORKERS ({len(reply.workers)})", (
         "ADDRESS", "STATE", "HEARTBEAT", "TASKS", "ELEMENTS/S", "BYTES/S", "SENT",
-        "BUFFERED", "CAPACITY/S"), [
+        "BUFFERED", "CAPACITY/S", "CACHE", "HELD SPLITS"), [
         (w.address, w.state, f"{w.heartbeat_age_s:.1f}s ago", str(w.tasks),
          rate(w.elements_per_s), size(w.bytes_per_s) + "/s", count(w.elements_sent),
-         count(w.buffered_elements), rate(w.capacity_per_s) if w.capacity_per_s else "-")
+         count(w.buffered_elements), rate(w.capacity_per_s) if w.capacity_per_s else "-",
+         _cache(w), count(w.held_splits) if w.held_splits else "-")
         for w in reply.workers])
     lines += _section(f"ITERATIONS ({len(reply.iterations)})", (
         "ID", "DATASET", "JOB", "MODE", "CLIENTS", "TASKS", "SPLITS DONE/HANDED",
@@ -53,6 +54,16 @@ def as_text(reply: status_pb2.GetClusterStatusResponse, dispatcher: str) -> str:
          f"{c.heartbeat_age_s:.1f}s ago")
         for c in reply.clients])
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _cache(worker: status_pb2.WorkerStatus) -> str:
+    """Its cache() entries' size and hit rate, e.g. `1.2 GB 97% hits`; `-` without one."""
+    looked_up = worker.cache_hits + worker.cache_misses
+    if not looked_up and not worker.cache_bytes:
+        return "-"
+    hits = f" {100 * worker.cache_hits / looked_up:.0f}% hits" if looked_up else ""
+    evicted = f" {count(worker.cache_evictions)} evicted" if worker.cache_evictions else ""
+    return size(worker.cache_bytes) + hits + evicted
 
 
 def _interval(ms: int) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -32,6 +33,12 @@ class ExecutionContext:
     #: How many times each source (by source_index) has started iterating under this context;
     #: the i-th iteration of a source is its repetition i.
     source_iterations: dict[int, int] = field(default_factory=dict)
+    #: The directory `cache()` without a location keeps its entries in: a worker's, in shared
+    #: memory, which its executor processes share. None: this process's memory (local runs).
+    cache_dir: str | None = None
+    #: Told (directory, fingerprint) by a `cache()` that reads and writes entries split by
+    #: split, so a worker knows which splits it holds (worker/cache_index.py).
+    cache_used: Callable[[str, str], None] | None = None
 
     def next_repetition(self, source_index: int) -> int:
         """Claim the repetition number for a source that is starting a new pass."""

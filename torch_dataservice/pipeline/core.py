@@ -15,6 +15,7 @@ from typing import Any
 from torch.utils.data import IterableDataset
 
 from torch_dataservice.pipeline._checks import check_callable
+from torch_dataservice.pipeline.cache import Cache
 from torch_dataservice.pipeline.context import ExecutionContext
 from torch_dataservice.pipeline.prefetch import Prefetch
 from torch_dataservice.pipeline.sharding import Shard
@@ -164,6 +165,14 @@ class Pipeline(IterableDataset):
         """Element k where k % num_shards == index; `SHARD_HINT` allowed for both."""
         return self._then(Shard(num_shards, index))
 
+    def cache(self, location: str | os.PathLike[str] | None = None, *,
+              max_bytes: int | None = None) -> Pipeline:
+        """tf.data's `cache()`: the elements produced up to here are kept the first time and
+        read back afterwards; later steps run each epoch. `location=None`: the worker's shared
+        memory (locally: this process's memory); a directory: files there. Least recently used
+        splits are evicted beyond `max_bytes` or on a full disk (never an error)."""
+        return self._then(Cache(location, max_bytes))
+
     def prefetch(self, n: int) -> Pipeline:
         """Produce up to `n` elements ahead on a background thread."""
         return self._then(Prefetch(n))
@@ -232,12 +241,16 @@ class Pipeline(IterableDataset):
                 f"{self!r} has an unresolved SHARD_HINT: it is only replaced when the pipeline "
                 "runs on the service with sharding policy HINT"
             )
-        open_chain: Callable[[], Iterator[Any]] = functools.partial(self._source.iterate, ctx)
-        for transform in self._transforms:
-            open_chain = functools.partial(
-                transform.iterate, Upstream(self._source, open_chain), ctx
-            )
-        return open_chain()
+        return self._open(len(self._transforms), ctx)
+
+    def _open(self, length: int, ctx: ExecutionContext) -> Iterator[Any]:
+        """A pass over the source and the first `length` transforms under `ctx`."""
+        if length == 0:
+            return self._source.iterate(ctx)
+        before = self._transforms[:length - 1]
+        upstream = Upstream(self._source, functools.partial(self._open, length - 1, ctx),
+                            before, functools.partial(self._open, length - 1))
+        return self._transforms[length - 1].iterate(upstream, ctx)
 
     def __iter__(self) -> Iterator[Any]:
         return self.iterate(ExecutionContext())

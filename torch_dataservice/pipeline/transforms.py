@@ -42,6 +42,10 @@ class Upstream:
     source: Source
     #: Starts a fresh pass over the upstream chain (repeat calls it once per repetition).
     open: Callable[[], Iterator[Any]]
+    #: The transforms of the upstream chain, in order (cache() fingerprints them).
+    transforms: tuple[Transform, ...] = ()
+    #: Starts a pass over the upstream chain under another context (cache() runs it per split).
+    open_under: Callable[[ExecutionContext], Iterator[Any]] | None = None
 
 
 class Transform(ABC):

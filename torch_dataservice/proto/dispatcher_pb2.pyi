@@ -173,7 +173,7 @@ class ReleaseIterationClientResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerHeartbeatRequest(_message.Message):
-    __slots__ = ("worker_address", "worker_uid", "current_tasks", "host_id", "process_id", "data_port", "data_socket", "build", "leaving", "load")
+    __slots__ = ("worker_address", "worker_uid", "current_tasks", "host_id", "process_id", "data_port", "data_socket", "build", "leaving", "held_version", "held_report", "held", "load")
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WORKER_UID_FIELD_NUMBER: _ClassVar[int]
     CURRENT_TASKS_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +183,9 @@ class WorkerHeartbeatRequest(_message.Message):
     DATA_SOCKET_FIELD_NUMBER: _ClassVar[int]
     BUILD_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
+    HELD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HELD_REPORT_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     worker_address: str
     worker_uid: int
@@ -193,20 +196,33 @@ class WorkerHeartbeatRequest(_message.Message):
     data_socket: str
     build: _common_pb2.BuildInfo
     leaving: bool
+    held_version: int
+    held_report: bool
+    held: _containers.RepeatedCompositeFieldContainer[HeldSplits]
     load: _status_pb2.WorkerLoad
-    def __init__(self, worker_address: _Optional[str] = ..., worker_uid: _Optional[int] = ..., current_tasks: _Optional[_Iterable[int]] = ..., host_id: _Optional[str] = ..., process_id: _Optional[str] = ..., data_port: _Optional[int] = ..., data_socket: _Optional[str] = ..., build: _Optional[_Union[_common_pb2.BuildInfo, _Mapping]] = ..., leaving: _Optional[bool] = ..., load: _Optional[_Union[_status_pb2.WorkerLoad, _Mapping]] = ...) -> None: ...
+    def __init__(self, worker_address: _Optional[str] = ..., worker_uid: _Optional[int] = ..., current_tasks: _Optional[_Iterable[int]] = ..., host_id: _Optional[str] = ..., process_id: _Optional[str] = ..., data_port: _Optional[int] = ..., data_socket: _Optional[str] = ..., build: _Optional[_Union[_common_pb2.BuildInfo, _Mapping]] = ..., leaving: _Optional[bool] = ..., held_version: _Optional[int] = ..., held_report: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[HeldSplits, _Mapping]]] = ..., load: _Optional[_Union[_status_pb2.WorkerLoad, _Mapping]] = ...) -> None: ...
+
+class HeldSplits(_message.Message):
+    __slots__ = ("dataset_id", "ranges")
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    dataset_id: str
+    ranges: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dataset_id: _Optional[str] = ..., ranges: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerHeartbeatResponse(_message.Message):
-    __slots__ = ("new_tasks", "tasks_to_delete", "worker_index", "next_heartbeat_ms")
+    __slots__ = ("new_tasks", "tasks_to_delete", "worker_index", "next_heartbeat_ms", "held_version")
     NEW_TASKS_FIELD_NUMBER: _ClassVar[int]
     TASKS_TO_DELETE_FIELD_NUMBER: _ClassVar[int]
     WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
     NEXT_HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
+    HELD_VERSION_FIELD_NUMBER: _ClassVar[int]
     new_tasks: _containers.RepeatedCompositeFieldContainer[_common_pb2.TaskDef]
     tasks_to_delete: _containers.RepeatedScalarFieldContainer[int]
     worker_index: int
     next_heartbeat_ms: int
-    def __init__(self, new_tasks: _Optional[_Iterable[_Union[_common_pb2.TaskDef, _Mapping]]] = ..., tasks_to_delete: _Optional[_Iterable[int]] = ..., worker_index: _Optional[int] = ..., next_heartbeat_ms: _Optional[int] = ...) -> None: ...
+    held_version: int
+    def __init__(self, new_tasks: _Optional[_Iterable[_Union[_common_pb2.TaskDef, _Mapping]]] = ..., tasks_to_delete: _Optional[_Iterable[int]] = ..., worker_index: _Optional[int] = ..., next_heartbeat_ms: _Optional[int] = ..., held_version: _Optional[int] = ...) -> None: ...
 
 class WorkerUpdateRequest(_message.Message):
     __slots__ = ("worker_address", "completed_tasks")
@@ -355,7 +371,7 @@ class CreateIteration(_message.Message):
     def __init__(self, iteration_id: _Optional[int] = ..., job_id: _Optional[int] = ..., repetition: _Optional[int] = ...) -> None: ...
 
 class ProduceSplit(_message.Message):
-    __slots__ = ("iteration_id", "repetition", "split_index", "task_id", "requeued", "replica", "request_id")
+    __slots__ = ("iteration_id", "repetition", "split_index", "task_id", "requeued", "replica", "request_id", "ahead")
     ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
     REPETITION_FIELD_NUMBER: _ClassVar[int]
     SPLIT_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -363,6 +379,7 @@ class ProduceSplit(_message.Message):
     REQUEUED_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     iteration_id: int
     repetition: int
     split_index: int
@@ -370,7 +387,8 @@ class ProduceSplit(_message.Message):
     requeued: bool
     replica: int
     request_id: int
-    def __init__(self, iteration_id: _Optional[int] = ..., repetition: _Optional[int] = ..., split_index: _Optional[int] = ..., task_id: _Optional[int] = ..., requeued: _Optional[bool] = ..., replica: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
+    ahead: bool
+    def __init__(self, iteration_id: _Optional[int] = ..., repetition: _Optional[int] = ..., split_index: _Optional[int] = ..., task_id: _Optional[int] = ..., requeued: _Optional[bool] = ..., replica: _Optional[int] = ..., request_id: _Optional[int] = ..., ahead: _Optional[bool] = ...) -> None: ...
 
 class CreateTask(_message.Message):
     __slots__ = ("task_id", "iteration_id", "worker_address", "starting_round")

@@ -94,7 +94,7 @@ class DispatcherSnapshot(_message.Message):
         num_elements: int
         def __init__(self, split: _Optional[_Union[_common_pb2.SplitKey, _Mapping]] = ..., num_elements: _Optional[int] = ...) -> None: ...
     class Iteration(_message.Message):
-        __slots__ = ("iteration_id", "job_id", "repetition", "task_ids", "client_ids", "garbage_collected", "cursor_repetition", "cursor_index", "requeued", "delivered", "produced", "removals", "sizes")
+        __slots__ = ("iteration_id", "job_id", "repetition", "task_ids", "client_ids", "garbage_collected", "cursor_repetition", "cursor_index", "requeued", "delivered", "produced", "removals", "sizes", "ahead")
         ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
         JOB_ID_FIELD_NUMBER: _ClassVar[int]
         REPETITION_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class DispatcherSnapshot(_message.Message):
         PRODUCED_FIELD_NUMBER: _ClassVar[int]
         REMOVALS_FIELD_NUMBER: _ClassVar[int]
         SIZES_FIELD_NUMBER: _ClassVar[int]
+        AHEAD_FIELD_NUMBER: _ClassVar[int]
         iteration_id: int
         job_id: int
         repetition: int
@@ -121,7 +122,8 @@ class DispatcherSnapshot(_message.Message):
         produced: _containers.RepeatedCompositeFieldContainer[DispatcherSnapshot.ProducedSplit]
         removals: _containers.RepeatedCompositeFieldContainer[_common_pb2.RemovedTasks]
         sizes: _containers.RepeatedCompositeFieldContainer[DispatcherSnapshot.ProducedSplit]
-        def __init__(self, iteration_id: _Optional[int] = ..., job_id: _Optional[int] = ..., repetition: _Optional[int] = ..., task_ids: _Optional[_Iterable[int]] = ..., client_ids: _Optional[_Iterable[int]] = ..., garbage_collected: _Optional[bool] = ..., cursor_repetition: _Optional[int] = ..., cursor_index: _Optional[int] = ..., requeued: _Optional[_Iterable[_Union[DispatcherSnapshot.RequeuedSplit, _Mapping]]] = ..., delivered: _Optional[_Iterable[_Union[DispatcherSnapshot.DeliveredSplit, _Mapping]]] = ..., produced: _Optional[_Iterable[_Union[DispatcherSnapshot.ProducedSplit, _Mapping]]] = ..., removals: _Optional[_Iterable[_Union[_common_pb2.RemovedTasks, _Mapping]]] = ..., sizes: _Optional[_Iterable[_Union[DispatcherSnapshot.ProducedSplit, _Mapping]]] = ...) -> None: ...
+        ahead: _containers.RepeatedScalarFieldContainer[int]
+        def __init__(self, iteration_id: _Optional[int] = ..., job_id: _Optional[int] = ..., repetition: _Optional[int] = ..., task_ids: _Optional[_Iterable[int]] = ..., client_ids: _Optional[_Iterable[int]] = ..., garbage_collected: _Optional[bool] = ..., cursor_repetition: _Optional[int] = ..., cursor_index: _Optional[int] = ..., requeued: _Optional[_Iterable[_Union[DispatcherSnapshot.RequeuedSplit, _Mapping]]] = ..., delivered: _Optional[_Iterable[_Union[DispatcherSnapshot.DeliveredSplit, _Mapping]]] = ..., produced: _Optional[_Iterable[_Union[DispatcherSnapshot.ProducedSplit, _Mapping]]] = ..., removals: _Optional[_Iterable[_Union[_common_pb2.RemovedTasks, _Mapping]]] = ..., sizes: _Optional[_Iterable[_Union[DispatcherSnapshot.ProducedSplit, _Mapping]]] = ..., ahead: _Optional[_Iterable[int]] = ...) -> None: ...
     class FingerprintEntry(_message.Message):
         __slots__ = ("fingerprint", "dataset_id")
         FINGERPRINT_FIELD_NUMBER: _ClassVar[int]

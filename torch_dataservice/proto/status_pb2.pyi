@@ -7,20 +7,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("elements_sent", "bytes_sent", "buffered_elements", "elements_produced", "busy_seconds", "processes")
+    __slots__ = ("elements_sent", "bytes_sent", "buffered_elements", "elements_produced", "busy_seconds", "processes", "cache_bytes", "cache_hits", "cache_misses", "cache_evictions")
     ELEMENTS_SENT_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     BUFFERED_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
     ELEMENTS_PRODUCED_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     elements_sent: int
     bytes_sent: int
     buffered_elements: int
     elements_produced: int
     busy_seconds: float
     processes: int
-    def __init__(self, elements_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., buffered_elements: _Optional[int] = ..., elements_produced: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., processes: _Optional[int] = ...) -> None: ...
+    cache_bytes: int
+    cache_hits: int
+    cache_misses: int
+    cache_evictions: int
+    def __init__(self, elements_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., buffered_elements: _Optional[int] = ..., elements_produced: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., processes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., cache_evictions: _Optional[int] = ...) -> None: ...
 
 class ClientLoad(_message.Message):
     __slots__ = ("rank", "batches", "wait_seconds", "elements", "bytes")
@@ -75,7 +83,7 @@ class DispatcherLoad(_message.Message):
     def __init__(self, cores: _Optional[float] = ..., rpcs_per_s: _Optional[float] = ..., refused_per_s: _Optional[float] = ..., worker_heartbeat_ms: _Optional[int] = ..., client_heartbeat_ms: _Optional[int] = ..., stretch: _Optional[float] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("address", "state", "heartbeat_age_s", "tasks", "elements_per_s", "bytes_per_s", "elements_sent", "bytes_sent", "buffered_elements", "capacity_per_s")
+    __slots__ = ("address", "state", "heartbeat_age_s", "tasks", "elements_per_s", "bytes_per_s", "elements_sent", "bytes_sent", "buffered_elements", "capacity_per_s", "cache_bytes", "cache_hits", "cache_misses", "cache_evictions", "held_splits")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +94,11 @@ class WorkerStatus(_message.Message):
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     BUFFERED_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_PER_S_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    HELD_SPLITS_FIELD_NUMBER: _ClassVar[int]
     address: str
     state: str
     heartbeat_age_s: float
@@ -96,7 +109,12 @@ class WorkerStatus(_message.Message):
     bytes_sent: int
     buffered_elements: int
     capacity_per_s: float
-    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., heartbeat_age_s: _Optional[float] = ..., tasks: _Optional[int] = ..., elements_per_s: _Optional[float] = ..., bytes_per_s: _Optional[float] = ..., elements_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., buffered_elements: _Optional[int] = ..., capacity_per_s: _Optional[float] = ...) -> None: ...
+    cache_bytes: int
+    cache_hits: int
+    cache_misses: int
+    cache_evictions: int
+    held_splits: int
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., heartbeat_age_s: _Optional[float] = ..., tasks: _Optional[int] = ..., elements_per_s: _Optional[float] = ..., bytes_per_s: _Optional[float] = ..., elements_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., buffered_elements: _Optional[int] = ..., capacity_per_s: _Optional[float] = ..., cache_bytes: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., cache_evictions: _Optional[int] = ..., held_splits: _Optional[int] = ...) -> None: ...
 
 class IterationStatus(_message.Message):
     __slots__ = ("iteration_id", "job_id", "dataset_id", "job_name", "mode", "clients", "num_consumers", "splits_handed", "splits_done", "elements_delivered", "finished", "tasks", "optimal_workers", "repetition")

@@ -8,6 +8,7 @@ index)` tuple and pickles almost as cheaply (elements are tagged with it).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 
@@ -24,3 +25,34 @@ class HandedSplit(NamedTuple):
 
     key: SplitKey
     skip: tuple[int, ...] = ()
+
+
+def index_ranges(indices: Iterable[int]) -> list[int]:
+    """Split indices as ascending disjoint [start, end) pairs, flat (HeldSplits.ranges): a
+    worker's cached splits travel compactly. ValueError for a negative index."""
+    flat: list[int] = []
+    for index in sorted(set(indices)):
+        if index < 0:
+            raise ValueError(f"split index {index} is negative")
+        if flat and flat[-1] == index:
+            flat[-1] = index + 1
+        else:
+            flat += [index, index + 1]
+    return flat
+
+
+def range_indices(ranges: Sequence[int], limit: int) -> tuple[int, ...]:
+    """The split indices below `limit` that flat [start, end) pairs name, ascending.
+    ValueError unless the pairs are non-empty, ascending and disjoint."""
+    if len(ranges) % 2:
+        raise ValueError(f"split ranges have an odd length {len(ranges)}: they hold "
+                         "[start, end) pairs")
+    indices: list[int] = []
+    end = 0
+    for start, stop in zip(ranges[::2], ranges[1::2], strict=True):
+        if not end <= start < stop:
+            raise ValueError(f"split range [{start}, {stop}) is empty, negative or not "
+                             f"after the previous one (ending at {end})")
+        indices.extend(range(start, min(stop, limit)))
+        end = stop
+    return tuple(indices)

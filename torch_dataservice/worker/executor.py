@@ -34,6 +34,8 @@ from torch_dataservice.worker.messages import (
     BigElement,
     Blocked,
     Bundle,
+    CacheCounts,
+    CacheUsed,
     DatasetBytes,
     End,
     Failed,
@@ -86,6 +88,8 @@ class ExecutorListener(Protocol):
 
     def on_stages(self, slot: int, totals: tuple[float, ...]) -> None: ...
 
+    def on_cache(self, report: CacheCounts | CacheUsed) -> None: ...
+
 
 RECEIVER_JOIN_S = 5.0
 
@@ -93,7 +97,8 @@ RECEIVER_JOIN_S = 5.0
 class _Slot:
     """One executor (process or thread) and the connection to it."""
 
-    def __init__(self, index: int, use_process: bool, torch_threads: int | None) -> None:
+    def __init__(self, index: int, use_process: bool, torch_threads: int | None,
+                 cache_dir: str | None) -> None:
         self.index = index
         self.conn: Connection
         self.process: launch.ExecutorProcess | None = None
@@ -109,7 +114,8 @@ class _Slot:
             ours_sock, theirs_sock = socket.socketpair()
             self.conn = Connection(ours_sock.detach())
             try:
-                self.process = launch.start_executor(theirs_sock.fileno(), torch_threads)
+                self.process = launch.start_executor(theirs_sock.fileno(), torch_threads,
+                                                     cache_dir)
             except BaseException:
                 self.conn.close()
                 raise
@@ -120,8 +126,8 @@ class _Slot:
             self.conn = ours
             self.local = LocalChannel()
             self.thread = threading.Thread(
-                target=executor_main, args=(theirs, self.local), name=f"tds-executor-{index}",
-                daemon=True
+                target=executor_main, args=(theirs, self.local),
+                kwargs={"cache_dir": cache_dir}, name=f"tds-executor-{index}", daemon=True
             )
             self.thread.start()
         # The same socket, for the file descriptors of shared-memory segments (worker/shm.py).
@@ -183,10 +189,11 @@ class _Slot:
 
 class ExecutorPool:
     def __init__(self, num_processes: int, listener: ExecutorListener,
-                 torch_threads: int | None = 1) -> None:
+                 torch_threads: int | None = 1, cache_dir: str | None = None) -> None:
         self._use_processes = num_processes > 0
         # Set in executor processes only: a thread executor shares this process's torch.
         self._torch_threads = torch_threads
+        self._cache_dir = cache_dir  # the worker's cache directory (worker/cache_index.py)
         self._size = max(1, num_processes)
         self._listener = listener
         self._slots: list[_Slot] = []
@@ -219,7 +226,7 @@ class ExecutorPool:
                                    "was ready: its stderr says why")
 
     def _start_slot(self, index: int) -> None:
-        slot = _Slot(index, self._use_processes, self._torch_threads)
+        slot = _Slot(index, self._use_processes, self._torch_threads, self._cache_dir)
         with self._lock:
             if index < len(self._slots):
                 self._slots[index] = slot
@@ -278,6 +285,8 @@ class ExecutorPool:
                 listener.on_blocked(key)
             case Stages(totals):  # the executor's stage times (observability/stages.py)
                 listener.on_stages(slot.index, totals)
+            case CacheCounts() | CacheUsed():  # its cache() steps (worker/cache_index.py)
+                listener.on_cache(message)
             case Ready():
                 slot.ready.set()
             case Bundle(messages):  # what the executor had queued, in order

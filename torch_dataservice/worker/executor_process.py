@@ -31,7 +31,7 @@ import cloudpickle
 
 from torch_dataservice.errors import describe_exception
 from torch_dataservice.observability import stages
-from torch_dataservice.pipeline import ExecutionContext, Pipeline, shared_objects
+from torch_dataservice.pipeline import ExecutionContext, Pipeline, cache, shared_objects
 from torch_dataservice.wire import codec
 from torch_dataservice.wire.inprocess import LocalElement
 from torch_dataservice.wire.splits import SplitKey
@@ -41,6 +41,8 @@ from torch_dataservice.worker.messages import (
     BigElement,
     Blocked,
     Bundle,
+    CacheCounts,
+    CacheUsed,
     Credit,
     DatasetBytes,
     End,
@@ -131,15 +133,17 @@ class _Segment:
 
 
 _Outgoing = (_Small | _Local | _Big | _Segment | End | Failed | SplitRequest | SplitDone
-             | Blocked | Stages)
+             | Blocked | Stages | CacheCounts | CacheUsed)
 
 
 class _Replica:
     """One copy of a task's pipeline, running on its own thread."""
 
     def __init__(self, executor: ExecutorLoop, key: ReplicaKey, pipeline: Pipeline, *,
-                 compression: str | None, use_splits: bool, credits: int) -> None:
+                 dataset_id: str, compression: str | None, use_splits: bool,
+                 credits: int) -> None:
         self.key = key
+        self.dataset_id = dataset_id
         self._executor = executor
         self._pipeline = pipeline
         self._compression = compression
@@ -212,6 +216,9 @@ class _Replica:
             self._skip[self._holding] = frozenset(skip)
         return key.index
 
+    def _cache_used(self, directory: str, fingerprint: str) -> None:
+        self._executor.cache_used(CacheUsed(self.dataset_id, directory, fingerprint))
+
     def _take_credit(self, size: int) -> None:
         with self._cond:
             since = 0.0  # back-pressure is not counted as work (observability/stages.py)
@@ -233,7 +240,9 @@ class _Replica:
     def _run(self) -> None:
         """The replica's one loop: pull, tag, encode, send, and time each stage. Kept whole:
         it is the per-element hot path, each step visible in one place."""
-        ctx = ExecutionContext(split_provider=self if self._use_splits else None)
+        ctx = ExecutionContext(split_provider=self if self._use_splits else None,
+                               cache_dir=self._executor.cache_dir,
+                               cache_used=self._cache_used)
         try:
             last_split = None
             offset = 0
@@ -301,8 +310,11 @@ class _Replica:
 class ExecutorLoop:
     """Receives commands from the front and runs replicas until told to shut down."""
 
-    def __init__(self, conn: Connection, local: LocalChannel | None = None) -> None:
+    def __init__(self, conn: Connection, local: LocalChannel | None = None,
+                 cache_dir: str | None = None) -> None:
         self._conn = conn
+        self.cache_dir = cache_dir  # the worker's directory for cache() (pipeline/cache.py)
+        self._cache_reported: set[CacheUsed] = set()
         # Set when this loop runs on a thread of the front's process: elements go as objects.
         self.local = local
         self._datasets: dict[str, bytes] = {}
@@ -395,15 +407,27 @@ class ExecutorLoop:
         while not written.wait(1.0) and self._sender.is_alive():
             pass
 
+    def cache_used(self, used: CacheUsed) -> None:
+        """Tell the front, once, where a dataset's cache entries are."""
+        with self._lock:
+            if used in self._cache_reported:
+                return
+            self._cache_reported.add(used)
+        self.send(used)
+
     def _with_stages(self, messages: list[_Outgoing | None]) -> list[_Outgoing | None]:
-        """`messages`, with the stage totals a few times a second and at each task's end:
-        they ride with what is written anyway (call with the outbox lock held)."""
+        """`messages`, with the stage totals (and the cache figures) a few times a second
+        and at each task's end: they ride with what is written anyway (call with the outbox
+        lock held)."""
         now = time.perf_counter()
         if now - self._stages_shipped >= stages.SHIP_INTERVAL_S or any(
                 m is None or isinstance(m, (End, Failed)) for m in messages):
             self._stages_shipped = now
-            messages.insert(len(messages) - (bool(messages) and messages[-1] is None),
-                            Stages(self.clocks.totals()))
+            at = len(messages) - (bool(messages) and messages[-1] is None)
+            messages.insert(at, Stages(self.clocks.totals()))
+            counts = cache.COUNTS.take()
+            if any(counts):
+                messages.insert(at, CacheCounts(*counts))
         return messages
 
     def _send_loop(self) -> None:
@@ -500,7 +524,8 @@ class ExecutorLoop:
             # Objects are counted by an estimate of their size, which can miss what an opaque
             # object holds (a C extension's buffer): bound their number more tightly too.
             credits = min(credits, LOCAL_CREDITS)
-        replica = _Replica(self, key, pipeline, compression=start.compression,
+        replica = _Replica(self, key, pipeline, dataset_id=start.dataset_id,
+                           compression=start.compression,
                            use_splits=start.plan.use_splits, credits=credits)
         with self._lock:
             self._replicas[key] = replica
@@ -572,12 +597,15 @@ _BATCHED: dict[type, type] = {_Small: SmallElements, _Local: LocalElements}
 
 
 def executor_main(conn: Connection, local: LocalChannel | None = None,
-                  torch_threads: int | None = None) -> None:
+                  torch_threads: int | None = None, cache_dir: str | None = None) -> None:
     """Entry point of an executor process, or of a thread (num_processes=0) with `local`, the
-    channel its elements reach the front on as objects. `torch_threads`: torch's intra-op
+    channel its elements reach the front on as objects; `cache_dir`: the worker's directory for
+    `cache()` without a location (worker/cache_index.py). `torch_threads`: torch's intra-op
     threads here (WorkerConfig.executor_torch_threads; a process's cores are shared with the
     other executors, as torch's DataLoader sets one thread in its workers)."""
     logging.basicConfig(level=logging.WARNING)
+    if cache_dir is not None and local is None:  # a process of its own: CachedDataset's
+        cache.worker_cache_dir = cache_dir       # default store is the worker's
     if torch_threads is not None:
         import torch
 
@@ -587,6 +615,6 @@ def executor_main(conn: Connection, local: LocalChannel | None = None,
             conn.send(Ready(os.getpid()))  # before the loop's sender thread writes anything
         except OSError:
             return  # the front is gone already
-        ExecutorLoop(conn, local).run()
+        ExecutorLoop(conn, local, cache_dir).run()
     finally:
         conn.close()

@@ -172,13 +172,16 @@ def _cuda_initialized() -> bool:
         return False
 
 
-def start_executor(conn_fd: int, torch_threads: int | None) -> ExecutorProcess:
-    """Start an executor process serving the connection `conn_fd` (the caller closes it)."""
+def start_executor(conn_fd: int, torch_threads: int | None,
+                   cache_dir: str | None = None) -> ExecutorProcess:
+    """Start an executor process serving the connection `conn_fd` (the caller closes it);
+    `cache_dir`: where its `cache()` steps keep entries by default (the worker's)."""
     # A fork server forked from a process with threads may carry torch's OpenMP pool: its
     # forks hang in a parallel op on more than one thread (one is safe, as for torch's own
     # forked DataLoader workers).
     fresh = torch_threads != 1 and shared_fork_server().forked_with_threads
-    return start_process(conn_fd, EXECUTOR_MAIN, {"torch_threads": torch_threads}, fresh=fresh)
+    return start_process(conn_fd, EXECUTOR_MAIN,
+                         {"torch_threads": torch_threads, "cache_dir": cache_dir}, fresh=fresh)
 
 
 def start_process(conn_fd: int, main: str, kwargs: dict, *, fresh: bool = False

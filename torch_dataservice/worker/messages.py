@@ -19,6 +19,8 @@ front -> executor                            executor -> front
                                                Blocked         a replica waits for credits
                                                Ready           the executor is set up (first)
                                                Bundle          several of these as one write
+                                               CacheCounts     cache() hits, misses, evictions
+                                               CacheUsed       a dataset's cache() entries
 """
 
 from __future__ import annotations
@@ -173,9 +175,28 @@ class Stages(NamedTuple):
     totals: tuple[float, ...]
 
 
+class CacheCounts(NamedTuple):
+    """The executor's cache() figures since its last report (pipeline/cache.py), with its
+    stage times."""
+
+    hits: int
+    misses: int
+    evictions: int
+
+
+class CacheUsed(NamedTuple):
+    """A replica of `dataset_id` keeps split entries in `directory`/`fingerprint` (sent once
+    per executor and dataset): the front lists the splits it holds (worker/cache_index.py)."""
+
+    dataset_id: str
+    directory: str
+    fingerprint: str
+
+
 ToExecutor = DatasetBytes | Release | Start | Credit | SplitReply | Stop | FreeSegment | Shutdown
 FromExecutor = (SmallElements | LocalElements | BigElement | SegmentElement | End | Failed
-                | SplitRequest | SplitDone | Blocked | Stages | Ready | Bundle)
+                | SplitRequest | SplitDone | Blocked | Stages | Ready | Bundle | CacheCounts
+                | CacheUsed)
 
 
 # ------------------------------------------------------------------ raw payload bytes

@@ -14,6 +14,7 @@ from typing import Any
 from torch_dataservice.observability import metrics
 from torch_dataservice.observability.stages import STAGES, StageTotals
 from torch_dataservice.proto import status_pb2
+from torch_dataservice.worker.cache_index import WorkerCache
 
 TRANSPORTS = ("grpc", "tcp", "unix", "local")
 
@@ -35,18 +36,21 @@ class WorkerCounters:
             return self.elements, sum(self.bytes_by_transport.values())
 
 
-def load(counters: WorkerCounters, stage_totals: StageTotals, *, buffered: int,
-         processes: int) -> status_pb2.WorkerLoad:
+def load(counters: WorkerCounters, stage_totals: StageTotals, cache: WorkerCache, *,
+         buffered: int, processes: int) -> status_pb2.WorkerLoad:
     """What a heartbeat tells the dispatcher (its status view and optimal-workers estimate)."""
     elements, nbytes = counters.snapshot()
     totals = stage_totals.totals()
+    hits, misses, evictions = cache.counts()
     return status_pb2.WorkerLoad(
         elements_sent=elements, bytes_sent=nbytes, buffered_elements=buffered,
         elements_produced=int(totals["elements"]),
-        busy_seconds=totals["compute"] + totals["encode"], processes=processes)
+        busy_seconds=totals["compute"] + totals["encode"], processes=processes,
+        cache_bytes=cache.nbytes(), cache_hits=hits, cache_misses=misses,
+        cache_evictions=evictions)
 
 
-def collector(counters: WorkerCounters, stage_totals: StageTotals,
+def collector(counters: WorkerCounters, stage_totals: StageTotals, cache: WorkerCache,
               buffered: Callable[[], int]) -> Callable[[], Iterable[Any]]:
     """The worker's metric families, read when /metrics is scraped."""
 
@@ -72,5 +76,15 @@ def collector(counters: WorkerCounters, stage_totals: StageTotals,
         yield stage
         yield metrics.counter("tds_worker_elements_produced",
                               "Elements the executors produced", totals["elements"])
+        hits, misses, evictions = cache.counts()
+        yield metrics.gauge("tds_worker_cache_bytes", "Bytes of the cache() entries it holds",
+                            cache.nbytes())
+        yield metrics.counter("tds_worker_cache_hits", "cache() entries (splits) read back",
+                              hits)
+        yield metrics.counter("tds_worker_cache_misses",
+                              "cache() entries (splits) computed, not found", misses)
+        yield metrics.counter("tds_worker_cache_evictions",
+                              "cache() entries evicted or not kept (max_bytes, a full disk)",
+                              evictions)
 
     return collect

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping, Sequence
 
 import grpc
 
@@ -16,8 +17,9 @@ from torch_dataservice.rpc import WORKER_SERVICE_NAME, is_version_mismatch, over
 from torch_dataservice.serving import BackgroundLoop, Health, advertised_host, start_grpc_server
 from torch_dataservice.wire import inprocess
 from torch_dataservice.worker import metrics
+from torch_dataservice.worker.cache_index import WorkerCache
 from torch_dataservice.worker.data_port import DataPort
-from torch_dataservice.worker.dispatcher_client import DispatcherClient
+from torch_dataservice.worker.dispatcher_client import CachedSplits, DispatcherClient
 from torch_dataservice.worker.service import WorkerService
 from torch_dataservice.worker.tasks import TaskManager
 
@@ -56,7 +58,8 @@ class WorkerServer:
     drains (`drain()`, what SIGTERM does in the CLI).
     """
 
-    def __init__(self, config: WorkerConfig, start: bool = True) -> None:
+    def __init__(self, config: WorkerConfig, start: bool = True,
+                 cached_splits: CachedSplits | None = None) -> None:
         self._config = config
         self._server: grpc.Server | None = None
         self._port = config.port
@@ -69,7 +72,12 @@ class WorkerServer:
         self._heartbeat: BackgroundLoop | None = None
         self._data_port: DataPort | None = None
         self._metrics: MetricsEndpoint | None = None
-        self._dispatcher = DispatcherClient(config, self._stopped)
+        # `cached_splits`: the splits held cached here, for split affinity (dispatcher_client);
+        # by default what this worker's own cache() store holds.
+        self._dispatcher = DispatcherClient(config, self._stopped,
+                                            cached_splits or self._held_in_cache)
+        self._dispatcher.flush = self._send_heartbeat
+        self._beat_lock = threading.Lock()  # the loop's beats and flushes, one at a time
         if start:
             self.start()
 
@@ -99,6 +107,14 @@ class WorkerServer:
     def metrics_port(self) -> int | None:
         """The port /metrics is served on (None: metrics are off)."""
         return self._metrics.port if self._metrics is not None else None
+
+    def _held_in_cache(self) -> Mapping[str, Sequence[int]]:
+        return self._tasks.cache.cached_splits() if self._tasks is not None else {}
+
+    @property
+    def cache(self) -> WorkerCache | None:
+        """The worker's `cache()` store, figures and `cached_splits()` (None before start)."""
+        return self._tasks.cache if self._tasks is not None else None
 
     @property
     def service(self) -> WorkerService | None:
@@ -155,7 +171,8 @@ class WorkerServer:
             return
         registry = new_registry()
         registry.register(Collector(metrics.collector(
-            self._service.counters, self._tasks.stages, self._tasks.buffered_elements)))
+            self._service.counters, self._tasks.stages, self._tasks.cache,
+            self._tasks.buffered_elements)))
         self._metrics = MetricsEndpoint(registry, self._config.host, self._config.metrics_port)
         logger.info("worker metrics at %s", self._metrics.url)
 
@@ -176,6 +193,10 @@ class WorkerServer:
             self._tasks.close()
 
     def _send_heartbeat(self) -> None:
+        with self._beat_lock:
+            self._beat()
+
+    def _beat(self) -> None:
         if self.refused is not None or self._tasks is None:
             return
         data_port = self._data_port
@@ -183,7 +204,7 @@ class WorkerServer:
         try:
             response = self._dispatcher.heartbeat(
                 task_ids=self._tasks.task_ids(),
-                load=metrics.load(self._service.counters, self._tasks.stages,
+                load=metrics.load(self._service.counters, self._tasks.stages, self._tasks.cache,
                                   buffered=self._tasks.buffered_elements(),
                                   processes=self._tasks.num_executors),
                 data_port=data_port.port if data_port is not None else 0,

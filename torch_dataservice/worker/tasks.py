@@ -25,10 +25,18 @@ from torch_dataservice.pipeline.sharding import ShardingPlan, plan_replicas
 from torch_dataservice.proto import common_pb2, worker_pb2
 from torch_dataservice.wire.splits import HandedSplit
 from torch_dataservice.worker import task_state as ts
+from torch_dataservice.worker.cache_index import WorkerCache
 from torch_dataservice.worker.executor import Arrived, ExecutorPool
 from torch_dataservice.worker.flow import LINGER_ELEMENTS, LINGER_S
 from torch_dataservice.worker.local import encode_elements
-from torch_dataservice.worker.messages import FinishedSplit, ReplicaKey, SplitRequest, TaskError
+from torch_dataservice.worker.messages import (
+    CacheCounts,
+    CacheUsed,
+    FinishedSplit,
+    ReplicaKey,
+    SplitRequest,
+    TaskError,
+)
 from torch_dataservice.worker.runners import Taken, TaskRunner, limits, make_runner
 from torch_dataservice.worker.task_state import BufferedElement, WorkerTask
 
@@ -113,7 +121,10 @@ class TaskManager:
         self._lock = threading.Lock()
         self._tasks: dict[int, TaskShell] = {}
         self._finished: set[int] = set()
-        self._executors = ExecutorPool(num_executors, self, executor_torch_threads)
+        # cache(): its store, figures and which splits it holds (worker/cache_index.py).
+        self.cache = WorkerCache()
+        self._executors = ExecutorPool(num_executors, self, executor_torch_threads,
+                                       cache_dir=self.cache.directory)
         self._split_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="get-split")
         self._split_prefetch = split_prefetch  # WorkerConfig.split_prefetch
         self._accepting = True  # False while the worker drains: no new task
@@ -130,6 +141,7 @@ class TaskManager:
             self._carry_out(task, task.state.stops())
         self._executors.close()
         self._split_pool.shutdown(wait=False, cancel_futures=True)
+        self.cache.close()
 
     # ------------------------------------------------------------------ task set
     def task_ids(self) -> list[int]:
@@ -198,6 +210,9 @@ class TaskManager:
 
     def on_stages(self, slot: int, totals: tuple[float, ...]) -> None:
         self.stages.update(slot, totals)
+
+    def on_cache(self, report: CacheCounts | CacheUsed) -> None:
+        self.cache.on_report(report)
 
     def _ensure_started(self, task: TaskShell) -> None:
         with task.cond:
