@@ -58,7 +58,7 @@ FEED_REPLICA = 1 << 20  # worker/task_state.py: the replica id a task's split st
 SPLIT_SIZE = 10
 PEERS_PER_CHANNEL = 10  # simulated peers sharing one HTTP/2 connection
 BUDGET_CORES = 1.0
-RETRY_AFTER_KEY = "x-torch-dataservice-retry-after-ms"  # errors.RETRY_AFTER_KEY
+GROW_TIMEOUT_S = 300  # default --grow-timeout: thousands of peers join while some are refused
 
 
 # ============================================================================ simulators
@@ -78,6 +78,7 @@ class Sim:
         self.coroutines: list[asyncio.Task] = []
         self.workers = self.clients = 0
         self.job_id = 0
+        self.grow_timeout_s = GROW_TIMEOUT_S
         # The intervals the dispatcher asked for last (0: the defaults).
         self.worker_interval_s, self.client_interval_s = WORKER_HEARTBEAT_S, CLIENT_HEARTBEAT_S
 
@@ -96,14 +97,16 @@ class Sim:
         (with jitter), as rpc.overload_backoff_s does."""
         import grpc
 
+        from torch_dataservice.errors import retry_after_ms
+
         start = time.perf_counter()
         try:
             response = await method(request, timeout=10)
         except grpc.aio.AioRpcError as error:
-            hint = dict(error.trailing_metadata() or ()).get(RETRY_AFTER_KEY)
-            if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and hint is not None:
+            hint = retry_after_ms(error)  # the dispatcher's, or gRPC's own full queue
+            if hint is not None:
                 self.refusals.append((time.time(), kind))
-                await asyncio.sleep(int(hint) / 1000 * (0.5 + random.random()))
+                await asyncio.sleep(hint / 1000 * (0.5 + random.random()))
             else:
                 self.errors.append((time.time(), f"{kind}: {error.code().name}"))
             return None
@@ -226,7 +229,7 @@ class Sim:
             self.coroutines.append(asyncio.ensure_future(self.client(future)))
             self.clients += 1
             waits.append(future)
-        await asyncio.wait_for(asyncio.gather(*waits), 120)
+        await asyncio.wait_for(asyncio.gather(*waits), self.grow_timeout_s)
 
     def stats(self, t0: float, t1: float) -> dict:
         counts: dict[str, int] = {}
@@ -263,7 +266,7 @@ async def _sim_loop(sim: Sim, conn) -> None:
             conn.send("stopped")
             return
         if command[0] == "grow":
-            _, workers, clients, sim.job_id = command
+            _, workers, clients, sim.job_id, sim.grow_timeout_s = command
             try:
                 await sim.grow(workers, clients)
                 conn.send(("grown", None))
@@ -288,14 +291,14 @@ class Sims:
             if not conn.poll(120) or conn.recv() != "ready":
                 raise RuntimeError("a simulator process did not start")
 
-    def grow(self, workers: int, clients: int, job_id: int) -> None:
+    def grow(self, workers: int, clients: int, job_id: int, timeout_s: float) -> None:
         n = len(self.conns)
         for i, conn in enumerate(self.conns):  # spread as evenly as possible
             conn.send(("grow", workers // n + (i < workers % n),
-                       clients // n + (i < clients % n), job_id))
+                       clients // n + (i < clients % n), job_id, timeout_s))
         for conn in self.conns:
-            if not conn.poll(150):
-                raise RuntimeError("simulators did not grow in 150 s")
+            if not conn.poll(timeout_s + 30):
+                raise RuntimeError(f"simulators did not grow in {timeout_s + 30:.0f} s")
             _, error = conn.recv()
             if error:
                 raise RuntimeError(f"a simulator failed to grow: {error}")
@@ -396,7 +399,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_mode(mode: str, sizes: list[tuple[int, int]], seconds: float, ramp: float,
-             procs: int, split_rate: float, stop_cores: float, log) -> list[Row]:
+             procs: int, split_rate: float, stop_cores: float, grow_timeout_s: float,
+             log) -> list[Row]:
     rows: list[Row] = []
     work_dir = tempfile.mkdtemp(prefix="tds-capacity-") if mode == "journal" else None
     dispatcher = Dispatcher(work_dir)
@@ -406,7 +410,12 @@ def run_mode(mode: str, sizes: list[tuple[int, int]], seconds: float, ramp: floa
         sims = Sims(dispatcher.address, procs, split_rate)
         for workers, clients in sizes:
             grow_began = time.perf_counter()
-            sims.grow(workers, clients, job_id)
+            try:
+                sims.grow(workers, clients, job_id, grow_timeout_s)
+            except RuntimeError as error:  # the rows measured so far still count
+                log(f"  {mode}: {workers} workers + {clients} clients did not join: {error}; "
+                    "larger steps skipped")
+                break
             log(f"  {mode}: {workers} workers + {clients} clients joined in "
                 f"{time.perf_counter() - grow_began:.1f} s")
             time.sleep(ramp)  # every worker has its task and is asking for splits
@@ -510,6 +519,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="GetSplit per second per worker task (default: 2)")
     parser.add_argument("--stop-cores", type=float, default=1.5,
                         help="skip larger steps once the dispatcher used this many cores")
+    parser.add_argument("--grow-timeout", type=float, default=GROW_TIMEOUT_S,
+                        help="seconds a step's peers may take to join (then it and larger "
+                             "steps are skipped)")
     parser.add_argument("--json", default=None, help="write the rows to this JSON file")
     args = parser.parse_args(argv)
     try:
@@ -530,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         if mode not in ("memory", "journal"):
             parser.error(f"unknown mode {mode!r}")
         rows += run_mode(mode, sizes, seconds, args.ramp, args.procs, args.split_rate,
-                         args.stop_cores, lambda m: print(m, flush=True))
+                         args.stop_cores, args.grow_timeout, lambda m: print(m, flush=True))
 
     print()
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, "

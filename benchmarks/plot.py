@@ -9,13 +9,16 @@ r"""Draw the scaling and dispatcher-capacity curves from the JSON the benchmarks
 Needs matplotlib (`pip install torch-dataservice[plot]`). Left: elements/s against the number
 of workers for each consumer count, with linear (N x the same run's 1-worker rate) dashed.
 Middle and right: the dispatcher's CPU (cores) and GetSplit p50/p99 latency against the
-number of simulated peers, one line per mode and series, the half-core budget dotted.
+simulated fleet (workers + readers), one line per mode and series (and per file when several
+are given, named after the file: `dispatcher_capacity_before.json` is "before"), the budget
+dotted.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -76,24 +79,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.capacity:
         cpu_ax, latency_ax = axes
         budget = None
-        for doc in load(args.capacity):
+        for path, doc in zip(args.capacity, load(args.capacity), strict=True):
             budget = doc.get("budget_cores", 0.5)
+            # Several files (before/after): each line is named by its file.
+            run = (os.path.basename(path).removesuffix(".json").removeprefix(
+                "dispatcher_capacity_") + ": ") if len(args.capacity) > 1 else ""
             keys = dict.fromkeys((r["mode"], r.get("series", "both")) for r in doc["rows"])
             for mode, series in keys:
-                mine = [r for r in doc["rows"]
-                        if (r["mode"], r.get("series", "both")) == (mode, series)]
-                xs = [max(r["workers"], r["clients"]) for r in mine]
-                label = f"{mode}, {series}"
+                mine = sorted((r for r in doc["rows"]
+                               if (r["mode"], r.get("series", "both")) == (mode, series)),
+                              key=lambda r: r["workers"] + r["clients"])
+                xs = [r["workers"] + r["clients"] for r in mine]
+                label = f"{run}{mode}" + (f", {series}" if "series" in mine[0] else "")
                 line, = cpu_ax.plot(xs, [r["cores"] for r in mine], "o-", label=label)
                 latency_ax.plot(xs, [r["split_p50_ms"] for r in mine], "o-",
                                 color=line.get_color(), label=f"{label} p50")
                 latency_ax.plot(xs, [r["split_p99_ms"] for r in mine], "x:",
                                 color=line.get_color(), label=f"{label} p99")
         cpu_ax.axhline(budget, color="grey", linestyle=":", label=f"budget {budget} core")
-        cpu_ax.set_xlabel("simulated workers and/or clients (n)")
+        cpu_ax.set_xlabel("simulated workers + readers")
         cpu_ax.set_ylabel("dispatcher CPU (cores)")
         cpu_ax.set_title("Dispatcher CPU", fontsize=10)
-        latency_ax.set_xlabel("simulated workers and/or clients (n)")
+        latency_ax.set_xlabel("simulated workers + readers")
         latency_ax.set_ylabel("GetSplit latency (ms)")
         latency_ax.set_yscale("log")
         latency_ax.set_title("GetSplit latency", fontsize=10)

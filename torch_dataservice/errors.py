@@ -116,8 +116,18 @@ RETRYABLE_CODES = frozenset(
 RETRY_AFTER_KEY = "x-torch-dataservice-retry-after-ms"
 
 
+# What gRPC itself answers when a server has too many requests in its handlers
+# (serving.Queue.max_concurrent): no hint comes with it, so peers wait
+# GRPC_REFUSAL_RETRY_AFTER_MS (with jitter). Other RESOURCE_EXHAUSTED errors (a message over
+# the size limit) are no overload and not retried. (gRPC answers a request dropped from its
+# core's queue CANCELLED, which is retried like any outage: RETRYABLE_CODES.)
+GRPC_REFUSALS = ("Concurrent RPC limit exceeded",)
+GRPC_REFUSAL_RETRY_AFTER_MS = 250
+
+
 def retry_after_ms(error: BaseException) -> int | None:
-    """The retry-after hint of an overloaded dispatcher's refusal; None for other errors."""
+    """How long an overloaded dispatcher's refusal asks to wait (its hint, or gRPC's own
+    refusal of a full queue); None for other errors."""
     if not isinstance(error, grpc.RpcError) or error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
         return None
     trailing = getattr(error, "trailing_metadata", lambda: None)() or ()
@@ -127,6 +137,9 @@ def retry_after_ms(error: BaseException) -> int | None:
                 return max(0, int(value))
             except ValueError:
                 return None
+    details = getattr(error, "details", lambda: None)() or ""
+    if any(details.startswith(refusal) for refusal in GRPC_REFUSALS):
+        return GRPC_REFUSAL_RETRY_AFTER_MS
     return None
 
 

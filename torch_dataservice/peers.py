@@ -88,6 +88,9 @@ def _tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     return deserialize
 
 
+MAX_GUARDED = 256
+
+
 class MalformedRequests(grpc.ServerInterceptor):
     """Answer undecodable requests INVALID_ARGUMENT (and count them) before any handler runs.
 
@@ -96,6 +99,10 @@ class MalformedRequests(grpc.ServerInterceptor):
 
     def __init__(self) -> None:
         self.log = PeerLog(logger, "malformed request")
+        # (method, handler) -> the guarded handler: built once, not per request (this runs in
+        # the one thread that takes every request from gRPC, so it bounds what a server
+        # takes in per second). Emptied when full: a refused call's handler is built per call.
+        self._guarded: dict[tuple[str, Any], Any] = {}
 
     def intercept_service(self, continuation: Callable[[Any], Any],
                           handler_call_details: grpc.HandlerCallDetails) -> Any:
@@ -103,7 +110,15 @@ class MalformedRequests(grpc.ServerInterceptor):
         if (handler is None or handler.request_streaming
                 or handler.request_deserializer is None):
             return handler
-        method = handler_call_details.method
+        key = (handler_call_details.method, handler)
+        guarded = self._guarded.get(key)
+        if guarded is None:
+            if len(self._guarded) >= MAX_GUARDED:
+                self._guarded.clear()
+            guarded = self._guarded[key] = self._guard(*key)
+        return guarded
+
+    def _guard(self, method: str, handler: Any) -> Any:
         kind = "unary_stream" if handler.response_streaming else "unary_unary"
         behavior = getattr(handler, kind)
 

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -24,24 +25,54 @@ from torch_dataservice.rpc import SERVER_OPTIONS, note_server_started
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Queue:
+    """Bounds on the requests a server holds before its handlers run, beyond which gRPC itself
+    answers them (no handler runs).
+
+    A Python gRPC server takes one request at a time from gRPC's core, in a thread that
+    needs the GIL; requests arriving faster wait there, by default up to 1,000 of them (then
+    some are dropped, all past 3,000) for up to 30 s: seconds of queue that no handler sees.
+    `pending` and `pending_hard` replace the 1,000 and 3,000 (grpc.server.max_pending_requests:
+    dropped with a probability rising between them), `pending_s` the 30 s; gRPC's core answers
+    what it drops CANCELLED, without running any Python. `max_concurrent` caps the requests
+    handed to the handler threads and not yet finished (grpc.server's maximum_concurrent_rpcs):
+    past it, RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded!" (errors.GRPC_REFUSALS).
+    """
+
+    pending: int
+    pending_hard: int
+    pending_s: int
+    max_concurrent: int
+
+    def options(self) -> list[tuple[str, int]]:
+        return [("grpc.server.max_pending_requests", self.pending),
+                ("grpc.server.max_pending_requests_hard_limit", self.pending_hard),
+                ("grpc.server_max_unrequested_time_in_server", self.pending_s)]
+
+
 def start_grpc_server(
     register: Callable[[grpc.Server], None], host: str, port: int, max_workers: int = 64,
     tls: TLSConfig | None = None, max_receive_bytes: int | None = None,
-    executor: ThreadPoolExecutor | None = None,
+    executor: ThreadPoolExecutor | None = None, queue: Queue | None = None,
 ) -> tuple[grpc.Server, int]:
     """Start a gRPC server with `register(server)` adding the servicers; returns (server, port).
     With `tls`, it serves over TLS only (and requires client certificates given a CA).
     `max_receive_bytes` caps a request's size (None: no cap): what one request may make the
-    server buffer. `executor` runs the handlers (default: `max_workers` threads)."""
+    server buffer. `executor` runs the handlers (default: `max_workers` threads). `queue`
+    bounds how many requests may wait for a handler (None: gRPC's defaults, thousands)."""
     auth.check_bind(host, tls)
     note_server_started()
     options = SERVER_OPTIONS
     if max_receive_bytes is not None:
         options = [(key, max_receive_bytes if key == "grpc.max_receive_message_length"
                     else value) for key, value in SERVER_OPTIONS]
+    if queue is not None:
+        options = [*options, *queue.options()]
     server = grpc.server(
         executor or ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         options=options,
+        maximum_concurrent_rpcs=queue.max_concurrent if queue is not None else None,
         interceptors=[*auth.server_interceptors(), MalformedRequests()],
     )
     register(server)

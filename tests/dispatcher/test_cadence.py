@@ -3,6 +3,7 @@ liveness timeouts that grow with them, admission past capacity, acknowledgements
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from tests.dispatcher.builders import (
@@ -15,8 +16,10 @@ from tests.dispatcher.builders import (
     start_epoch,
     task_of,
 )
+from torch_dataservice import rpc
 from torch_dataservice.client.delivery import to_ranges
 from torch_dataservice.dispatcher import cadence
+from torch_dataservice.errors import GRPC_REFUSAL_RETRY_AFTER_MS, is_retryable, retry_after_ms
 from torch_dataservice.proto import common_pb2, dispatcher_pb2
 
 pb = dispatcher_pb2
@@ -134,6 +137,35 @@ def test_a_refused_request_carries_its_retry_after_in_the_trailing_metadata() ->
     assert context.code.name == "RESOURCE_EXHAUSTED"
     assert int(context.metadata["x-torch-dataservice-retry-after-ms"]) >= 100
     service.close()
+
+
+class GrpcError(grpc.RpcError):
+    """What a stub raises for a status gRPC itself answered (no trailing metadata)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple:
+        return ()
+
+
+def test_grpcs_own_refusal_of_a_full_queue_is_overload_that_peers_wait_out() -> None:
+    refused = GrpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded!")
+    assert retry_after_ms(refused) == GRPC_REFUSAL_RETRY_AFTER_MS
+    assert is_retryable(refused)
+    waits = [rpc.overload_backoff_s(refused, "test") for _ in range(200)]
+    low, high = GRPC_REFUSAL_RETRY_AFTER_MS / 2000, GRPC_REFUSAL_RETRY_AFTER_MS * 1.5 / 1000
+    assert all(low <= w <= high for w in waits) and len(set(waits)) > 100  # jittered
+    # A request over the size limit is refused with the same code and is no overload.
+    too_big = GrpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        "Received message larger than max (5 vs. 4)")
+    assert retry_after_ms(too_big) is None and not is_retryable(too_big)
 
 
 def test_offsets_travel_as_ranges() -> None:

@@ -130,6 +130,44 @@ def test_compaction_writes_a_snapshot_and_a_fresh_log(tmp_path: Path) -> None:
     assert build(*replayed(tmp_path)) == build(*history(), extra)
 
 
+@pytest.mark.timeout(30)
+def test_compaction_builds_and_writes_the_snapshot_off_the_request_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The snapshot of a big state takes long to build: requests must not wait for it, and
+    # what they append meanwhile (into the next log) must replay after it, with or without it.
+    building, release = threading.Event(), threading.Event()
+    build_snapshot = file_journal.snapshot_update
+
+    def slow_snapshot(state: DispatcherState) -> Update:
+        building.set()
+        release.wait(20)
+        return build_snapshot(state)
+
+    monkeypatch.setattr(file_journal, "snapshot_update", slow_snapshot)
+    updates = history()
+    journal = FileJournal(tmp_path, compact_every=len(updates) - 2)
+    state = DispatcherState()
+    for update in updates[:-2]:
+        journal.append(update)
+        state.apply(update)
+    returned = threading.Event()
+    threading.Thread(target=lambda: (journal.maybe_compact(state), returned.set()),
+                     daemon=True).start()
+    assert building.wait(10)
+    assert returned.wait(5), "maybe_compact waited for the snapshot to be built and written"
+    for update in updates[-2:]:  # requests go on, into the next log
+        journal.append(update)
+        state.apply(update)
+    journal.sync()
+    # A crash now: the old files are still there and replay the same state.
+    assert build(*replayed(tmp_path)) == state == build(*updates)
+    release.set()
+    journal.close()  # waits for the snapshot
+    names = sorted(p.name for p in (tmp_path / file_journal.JOURNAL_DIR).iterdir())
+    assert names == ["log_1", "log_2", "snapshot_1"], names
+    assert build(*replayed(tmp_path)) == build(*updates)
+
+
 def test_an_unfinished_compaction_is_ignored(tmp_path: Path) -> None:
     write(tmp_path, one_iteration())
     (tmp_path / file_journal.JOURNAL_DIR / "snapshot_1.tmp").write_bytes(b"half")

@@ -5,21 +5,27 @@ acknowledgements reach the journal as ranges."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 import torch_dataservice as tds
-from tests.conftest import wait_until
+from tests.conftest import subprocess_env, wait_until
 from tests.observability.test_metrics import scrape
 from torch_dataservice import rpc
 from torch_dataservice.client.membership import Membership
+from torch_dataservice.dispatcher import server as dispatcher_server
 from torch_dataservice.dispatcher.file_journal import FileJournal
+from torch_dataservice.errors import GRPC_REFUSAL_RETRY_AFTER_MS
 from torch_dataservice.observability.status_text import as_text
 from torch_dataservice.policies import ShardingPolicy
 from torch_dataservice.proto import common_pb2
+from torch_dataservice.serving import Queue, start_grpc_server
 
 pytestmark = pytest.mark.integration
 
@@ -149,6 +155,96 @@ def test_an_overloaded_dispatcher_refuses_and_its_readers_back_off_and_finish(
     assert service.cadence.refused > 0
     refusals = [r for r in caplog.records if "over its capacity" in r.getMessage()]
     assert len(refusals) == 1, [r.getMessage() for r in refusals]  # logged once
+
+
+CALLER = """
+import sys, grpc
+call = grpc.insecure_channel(sys.argv[1]).unary_unary("/probe.Probe/Call")
+call(b"", timeout=10)
+print("ready", flush=True)
+sys.stdin.readline()  # the server's Python is starved from now on
+futures = [call.future(b"", timeout=10) for _ in range(20)]
+codes = []
+for future in futures:
+    try:
+        future.result()
+        codes.append("OK")
+    except grpc.RpcError as error:
+        codes.append(error.code().name)
+print(" ".join(codes), flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("queue", [None, Queue(pending=1, pending_hard=2, pending_s=1,
+                                               max_concurrent=64)], ids=["grpc", "bounded"])
+def test_requests_wait_in_grpcs_core_only_as_long_as_the_queue_allows(queue) -> None:
+    # While the server's Python cannot run (here: this thread keeps the GIL), requests wait
+    # in gRPC's core, where no handler sees them: gRPC's defaults keep them all (seconds of
+    # latency), the dispatcher's bounds (dispatcher/server.py QUEUE) drop the excess at once.
+    handler = grpc.method_handlers_generic_handler(
+        "probe.Probe", {"Call": grpc.unary_unary_rpc_method_handler(lambda r, c: b"")})
+    server, port = start_grpc_server(lambda s: s.add_generic_rpc_handlers((handler,)),
+                                     "127.0.0.1", 0, queue=queue)
+    caller = subprocess.Popen([sys.executable, "-c", CALLER, f"127.0.0.1:{port}"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env=subprocess_env())
+    try:
+        assert caller.stdout.readline().strip() == "ready"
+        caller.stdin.write("go\n")
+        caller.stdin.flush()
+        time.sleep(0.3)  # the requests are sent
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(100)
+        try:
+            end = time.monotonic() + 2.5
+            while time.monotonic() < end:  # keeps the GIL: gRPC's server thread waits
+                pass
+        finally:
+            sys.setswitchinterval(interval)
+        codes = caller.stdout.readline().split()
+    finally:
+        caller.kill()
+        caller.wait(10)
+        server.stop(None)
+    assert len(codes) == 20
+    if queue is None:
+        assert set(codes) == {"OK"}, codes  # all waited
+    else:
+        assert codes.count("CANCELLED") >= 5, codes  # dropped, not kept waiting
+
+
+@pytest.mark.timeout(120)
+def test_a_full_grpc_queue_is_refused_by_grpc_and_readers_back_off_and_finish(
+        cluster_factory, caplog, monkeypatch) -> None:
+    # Room for 2 requests past gRPC's core, and no refusal by the handlers: a hog holding the
+    # dispatcher makes requests pile up, and gRPC itself refuses the rest (no hint comes with
+    # that): peers must take it for overload, not for an error.
+    monkeypatch.setattr(dispatcher_server, "QUEUE",
+                        Queue(pending=1, pending_hard=1, pending_s=1, max_concurrent=2))
+    cluster = cluster_factory(num_workers=2, max_pending_rpcs=1000)
+    service = cluster.dispatcher._service  # noqa: SLF001 (introspection)
+    monkeypatch.setattr(rpc, "_overload_logged", False)
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            with service._lock:  # noqa: SLF001
+                time.sleep(0.15)
+            time.sleep(0.15)
+
+    hog = threading.Thread(target=busy, daemon=True)
+    hog.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="torch_dataservice.rpc"):
+            parts = read_together(cluster.target, "grpc-queue", readers=3)
+    finally:
+        stop.set()
+        hog.join(5)
+    assert_exactly_once(parts)
+    assert service.cadence.refused == 0  # the handlers refused nothing: gRPC did
+    refusals = [r.getMessage() for r in caplog.records if "over its capacity" in r.getMessage()]
+    assert refusals and f"retry after {GRPC_REFUSAL_RETRY_AFTER_MS} ms" in refusals[0], refusals
 
 
 @pytest.mark.timeout(90)

@@ -13,9 +13,13 @@ replaces the whole state, so replay yields it first, like any other update.
 Replay reads the newest snapshot, then every log from its generation on, in order. Each
 dispatcher incarnation appends to a new log (one past the highest existing file), so a torn
 tail written by a crashed incarnation is never appended to. Compaction, when the current log
-holds more than `compact_every` records, writes `snapshot_<g+1>` (temp file, fsync, rename,
-fsync the directory), starts `log_<g+1>` and only then deletes the older files; a crash at
-any point leaves either the old files or the new snapshot complete.
+holds more than `compact_every` records, fsyncs the log and starts `log_<g+1>`, then writes
+`snapshot_<g+1>` (temp file, fsync, rename, fsync the directory) and only then deletes the
+older files; a crash at any point leaves either the old files or the new snapshot complete.
+Only the start is on the request path: the state is copied by pickle (C code, a few times
+cheaper than building the snapshot protobuf) under the dispatcher's lock, and a background
+thread turns the copy into the snapshot and writes it (`maybe_compact`), so requests do not
+wait for a snapshot of a big state to be built and fsynced.
 
 Record framing: 4-byte little-endian payload length, 4-byte CRC32 of the payload, payload (a
 serialized `Update`, in snapshot files too). Only a record being written when the process died
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import re
 import struct
 import threading
@@ -162,6 +167,7 @@ class FileJournal:
         self._written = 0  # bytes appended to the current log
         self._synced = 0  # bytes of it known to be on disk
         self.on_fsync: Callable[[float], None] | None = None  # seconds (metrics)
+        self._compactor: threading.Thread | None = None  # writing the last snapshot
 
     @property
     def directory(self) -> Path:
@@ -273,7 +279,7 @@ class FileJournal:
         with self._sync_lock:
             with self._lock:
                 if generation != self._generation or self._fd < 0:
-                    return  # compacted (the snapshot is durable) or closed (fsynced)
+                    return  # a log that has ended (fsynced then) or closed (fsynced)
                 fd, written = self._fd, self._written
             if self._synced >= target:
                 return  # the fsync we waited for covered us
@@ -287,38 +293,65 @@ class FileJournal:
         """Replace everything so far by a snapshot of `state` when the log has grown long.
 
         Called right after an update is applied, under the dispatcher's lock, so `state`
-        reflects exactly the records appended so far.
+        reflects exactly the records appended so far. Only a copy of `state` and the switch to
+        a new log happen here; the snapshot is built and written by a background thread (one
+        at a time: a compaction due while the last is being written waits for it).
         """
         with self._lock:
             if self._records < self._compact_every:
                 return False
-        self.compact(state)
+        self.wait_compacted()
+        copy, generation = self._start_generation(state)
+        self._compactor = threading.Thread(target=self._write_snapshot, args=(copy, generation),
+                                           name="journal-compaction", daemon=True)
+        self._compactor.start()
         return True
 
     def compact(self, state: Any) -> None:
-        snapshot = snapshot_update(state).SerializeToString()
+        """Compact now, in this thread: the snapshot is on disk when this returns."""
+        self.wait_compacted()
+        self._write_snapshot(*self._start_generation(state))
+
+    def wait_compacted(self) -> None:
+        """Return once the snapshot being written (if any) is on disk and the old files gone."""
+        compactor = self._compactor
+        if compactor is not None:
+            compactor.join()
+            self._compactor = None
+
+    def _start_generation(self, state: Any) -> tuple[bytes, int]:
+        """Copy `state` and continue in a new log; the old one is fsynced (sync() returns at
+        once for a generation that has ended). Returns the copy and the new generation."""
+        copy = pickle.dumps(state, pickle.HIGHEST_PROTOCOL)
         with self._sync_lock, self._lock:
+            os.fsync(self._fd)
             generation = self._generation + 1
-            final = self._path("snapshot", generation)
-            temp = final.with_name(final.name + ".tmp")
-            with open(temp, "wb") as f:
-                f.write(encode_record(snapshot))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(temp, final)
-            _fsync_dir(self._dir)
             old_fd = self._fd
             self._fd = self._open_log(generation)
             os.close(old_fd)
             self._generation = generation
             self._records = self._written = self._synced = 0
-            for kind, g in self._files():
-                if g < generation:
-                    self._path(kind, g).unlink(missing_ok=True)
-            self._previous = []
+        return copy, generation
+
+    def _write_snapshot(self, copy: bytes, generation: int) -> None:
+        """Write `snapshot_<generation>` from a copy of the state, then delete older files."""
+        snapshot = snapshot_update(pickle.loads(copy)).SerializeToString()  # noqa: S301 - ours
+        final = self._path("snapshot", generation)
+        temp = final.with_name(final.name + ".tmp")
+        with open(temp, "wb") as f:
+            f.write(encode_record(snapshot))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, final)
+        _fsync_dir(self._dir)
+        for kind, g in self._files():
+            if g < generation:
+                self._path(kind, g).unlink(missing_ok=True)
+        self._previous = []
         logger.info("journal compacted into %s (%d bytes)", final, len(snapshot))
 
     def close(self) -> None:
+        self.wait_compacted()
         with self._sync_lock, self._lock:
             if self._fd < 0:
                 return

@@ -14,7 +14,13 @@ from torch_dataservice.dispatcher.observe import DispatcherObserver, collector
 from torch_dataservice.dispatcher.service import DispatcherService
 from torch_dataservice.observability.metrics import Collector, MetricsEndpoint
 from torch_dataservice.proto import dispatcher_pb2_grpc
-from torch_dataservice.serving import BackgroundLoop, Health, advertised_host, start_grpc_server
+from torch_dataservice.serving import (
+    BackgroundLoop,
+    Health,
+    Queue,
+    advertised_host,
+    start_grpc_server,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +30,10 @@ REQUEST_OVERHEAD_BYTES = 1 << 20
 # no handler sees. Enough to batch journal fsyncs (group commit); past them, requests wait in
 # the executor's queue, where admission sees how long (dispatcher/cadence.py).
 HANDLER_THREADS = 32
+# Requests waiting beyond the handler threads, in gRPC's core and in the threads' queue: a few
+# ms of work each, so a request accepted waits tens of ms, not seconds; past these gRPC
+# answers them itself (serving.Queue; peers back off: errors.retry_after_ms, RETRYABLE_CODES).
+QUEUE = Queue(pending=16, pending_hard=64, pending_s=1, max_concurrent=2 * HANDLER_THREADS)
 
 
 def _open_journal(config: DispatcherConfig) -> Journal:
@@ -96,7 +106,8 @@ class DispatchServer:
         self._server, self._port = start_grpc_server(
             register, self._config.host, self._config.port, tls=self._config.tls,
             max_receive_bytes=self._config.max_dataset_bytes + REQUEST_OVERHEAD_BYTES,
-            executor=QueuedExecutor(max_workers=HANDLER_THREADS, thread_name_prefix="grpc"))
+            executor=QueuedExecutor(max_workers=HANDLER_THREADS, thread_name_prefix="grpc"),
+            queue=QUEUE)
         health.set_serving(True)  # the journal is replayed: requests see the whole state
         interval = min(self._config.effective_job_gc_check_interval_ms,
                        self._config.effective_worker_timeout_ms // 4 or 1) / 1000
