@@ -6,7 +6,9 @@ MAX_RATE (elements/s, 0 = unlimited) stretches the epoch so that faults land ins
 FLUSH_EVERY (default 256) elements are written at a time (1: each as it is taken).
 With TDS_TEST_CONSUMER_GO=FILE in the environment it creates OUT_FILE.ready once imported,
 then waits for FILE before it reads, so that consumers slow to start (torch's import on a busy
-machine) begin together.
+machine) begin together. With TDS_TEST_CONSUMER_CACHE=DIR the pipeline has a `cache()` after a
+step that appends each element it computes to a file in DIR (one file per process), so a test
+can tell the elements computed from those read back from a worker's cache.
 Appends every element it receives to OUT_FILE (one per line, flushed in batches) and writes
 a final "done" line when the epoch ended, so the test can count delivered, missing and
 duplicated elements even if this process is killed.
@@ -14,6 +16,7 @@ duplicated elements even if this process is killed.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -22,12 +25,23 @@ from pathlib import Path
 import torch_dataservice as tds
 
 
+def computed(directory: str, x: int) -> int:
+    """The step before the cache: notes that `x` was computed (not read from a cache)."""
+    with open(os.path.join(directory, str(os.getpid())), "a") as f:
+        f.write(f"{x}\n")
+    return x
+
+
 def main() -> int:
     address, n, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     job_name = sys.argv[4] if len(sys.argv) > 4 else "fault-epoch"
     max_rate = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
     flush_every = int(sys.argv[6]) if len(sys.argv) > 6 else 256
-    pipeline = tds.Pipeline.range(n).map(lambda x: x).apply(
+    cache_dir = os.environ.get("TDS_TEST_CONSUMER_CACHE")
+    pipeline = tds.Pipeline.range(n)
+    if cache_dir:
+        pipeline = pipeline.map(functools.partial(computed, cache_dir)).cache()
+    pipeline = pipeline.map(lambda x: x).apply(
         tds.distribute(tds.ShardingPolicy.DYNAMIC, f"grpc://{address}", job_name=job_name))
     go = os.environ.get("TDS_TEST_CONSUMER_GO")
     if go:

@@ -56,8 +56,10 @@ class Consumer:
     """`python -m tests.fault.consumer` reading a DYNAMIC epoch of range(n)."""
 
     def __init__(self, cluster: ProcessCluster, n: int, out: Path, job_name: str,
-                 max_rate: float = 0.0, flush_every: int = 256, go: Path | None = None) -> None:
-        """With `go`, the consumer reads only once that file exists (see `start_together`)."""
+                 max_rate: float = 0.0, flush_every: int = 256, go: Path | None = None,
+                 cache_dir: Path | None = None) -> None:
+        """With `go`, the consumer reads only once that file exists (see `start_together`);
+        with `cache_dir`, its pipeline caches (tests/fault/consumer.py)."""
         assert cluster.dispatcher is not None
         self.out = out
         self.n = n
@@ -66,6 +68,8 @@ class Consumer:
         env = dict(cluster.env)
         if go is not None:
             env["TDS_TEST_CONSUMER_GO"] = str(go)
+        if cache_dir is not None:
+            env["TDS_TEST_CONSUMER_CACHE"] = str(cache_dir)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.fault.consumer", cluster.dispatcher.address, str(n),
              str(out), job_name, str(max_rate), str(flush_every)],
