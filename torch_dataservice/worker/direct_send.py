@@ -34,6 +34,7 @@ import ssl
 import threading
 import weakref
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,8 @@ from torch_dataservice.wire.data_port import send_buffers
 from torch_dataservice.worker.messages import WriteHeld
 
 HELD_BYTES = 512 << 20  # an executor's held payloads at most (as its segment pool)
+# Writes at once per executor: a reader that stops reading holds one writer (up to the timeout).
+MAX_WRITERS = 32
 WRITE_TIMEOUT_S = 60.0  # a reader that stops reading loses its connection (data port's too)
 
 
@@ -55,6 +58,8 @@ class HeldPayloads:
         self._held: dict[int, tuple[list[Any], int]] = {}
         self._bytes = 0
         self._ids = itertools.count()
+        # Threads are reused: one started per write cost as much as the copy it saved.
+        self.writers = ThreadPoolExecutor(MAX_WRITERS, thread_name_prefix="executor-direct-send")
 
     def hold(self, parts: list[Any], size: int) -> int | None:
         """A handle for `parts` (`size` bytes), or None when `HELD_BYTES` are held already."""
@@ -83,6 +88,7 @@ class HeldPayloads:
             sock.close()
 
     def clear(self) -> None:
+        self.writers.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             self._held.clear()
             self._bytes = 0

@@ -547,8 +547,7 @@ class ExecutorLoop:
             case WriteHeld(handle, request):
                 assert self._sock is not None and self._held is not None  # as for HeldElement
                 fd = shm.recv_fd(self._sock)
-                threading.Thread(target=self._write_held, args=(handle, request, fd),
-                                 name="executor-direct-send", daemon=True).start()
+                self._held.writers.submit(self._write_held, handle, request, fd)
             case ForgetHeld(handle):
                 if self._held is not None:
                     self._held.forget(handle)
