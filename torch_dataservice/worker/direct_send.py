@@ -14,7 +14,8 @@ in order.
 
 Everything that is not a plain data-port reply (gRPC, an in-process reader, a TLS connection,
 which encrypts in the front anyway) gets the payload's bytes with `HeldPayload.materialize`:
-the executor writes it to a socket pair whose other end the front reads.
+the executor writes them into a memfd the front passed it, and the front maps that (one copy,
+as into a segment before).
 
 Failure: if the executor dies or fails mid-write, the front shuts the reader's connection down
 (its own descriptor and the executor's), so the reader sees the reply end short, an EOFError,
@@ -29,8 +30,11 @@ pipeline must not change an element after yielding it (its memory is what is sen
 from __future__ import annotations
 
 import itertools
+import mmap
+import os
 import socket
 import ssl
+import stat
 import threading
 import weakref
 from collections.abc import Callable
@@ -40,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from torch_dataservice.wire.data_port import send_buffers
-from torch_dataservice.worker.messages import WriteHeld
+from torch_dataservice.worker.messages import WriteHeld, write_all
 
 HELD_BYTES = 512 << 20  # an executor's held payloads at most (as its segment pool)
 # Writes at once per executor: a reader that stops reading holds one writer (up to the timeout).
@@ -77,9 +81,17 @@ class HeldPayloads:
             self._bytes -= size
 
     def write(self, handle: int, fd: int) -> None:
-        """Write payload `handle` whole to socket `fd` (closed after), or raise."""
+        """Write payload `handle` whole to `fd`, a reader's socket or the front's memfd, then
+        close `fd`; or raise."""
         with self._lock:
             parts, _ = self._held[handle]
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            try:
+                for part in parts:
+                    write_all(fd, part)
+            finally:
+                os.close(fd)
+            return
         sock = socket.socket(fileno=fd)
         try:
             sock.settimeout(WRITE_TIMEOUT_S)
@@ -180,42 +192,17 @@ class HeldPayload:
             raise
 
     def materialize(self) -> np.ndarray:
-        """The payload's bytes in a buffer of the front's own (writable)."""
-        ours, theirs = socket.socketpair()
-        with ours:
-            try:
-                result: list[BaseException] = []
-                writing = threading.Thread(target=_write_into, args=(
-                    self._writer, self._handle, theirs, result), daemon=True)
-                writing.start()
-            except BaseException:
-                theirs.close()
-                raise
-            buffer = np.empty(self.nbytes, dtype=np.uint8)
-            view = memoryview(buffer)
-            ours.settimeout(WRITE_TIMEOUT_S)
-            filled = 0
-            while filled < self.nbytes:
-                n = ours.recv_into(view[filled:])
-                if n == 0:
-                    break
-                filled += n
-            writing.join()
-        if result:
-            raise result[0]
-        if filled < self.nbytes:
-            raise OSError(f"a held payload ended after {filled} of {self.nbytes} bytes")
-        return buffer
-
-
-def _write_into(writer: HeldWriter, handle: int, sock: socket.socket,
-                result: list[BaseException]) -> None:
-    try:
-        writer.write(handle, sock.fileno())
-    except BaseException as error:
-        result.append(error)
-    finally:
-        sock.close()
+        """The payload's bytes in memory of the front's own: the executor writes them into a
+        memfd (one copy, as into a segment), which the front maps."""
+        fd = os.memfd_create("tds-held", os.MFD_CLOEXEC)
+        try:
+            self._writer.write(self._handle, fd)
+            if os.fstat(fd).st_size != self.nbytes:
+                raise OSError(f"a held payload of {self.nbytes} bytes was written as "
+                              f"{os.fstat(fd).st_size}")
+            return np.frombuffer(mmap.mmap(fd, self.nbytes), dtype=np.uint8)
+        finally:
+            os.close(fd)
 
 
 def materialized(payloads: list[Any]) -> list[Any]:
