@@ -87,5 +87,4 @@ def payload_nbytes(payload: Any) -> int:
     """Bytes a buffered payload counts for (an encoded payload's length, or the estimate)."""
     if type(payload) is LocalElement:
         return payload.size
-    nbytes = getattr(payload, "nbytes", None)  # an array, a view, a payload its executor holds
-    return memoryview(payload).nbytes if nbytes is None else nbytes
+    return memoryview(payload).nbytes

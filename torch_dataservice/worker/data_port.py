@@ -59,9 +59,8 @@ from torch_dataservice.wire.data_port import (
     UNKNOWN_TASK,
     VERSION,
     recv_exactly,
+    send_buffers,
 )
-from torch_dataservice.wire.inprocess import payload_nbytes
-from torch_dataservice.worker.direct_send import send_reply
 
 logger = logging.getLogger(__name__)
 
@@ -302,13 +301,13 @@ class DataPort:
             logger.exception("GetElements failed")
             return _send_status(conn, INTERNAL, f"{type(error).__name__}: {error}")
         for info, payload in zip(header.elements, payloads, strict=True):
-            info.size = payload_nbytes(payload)
+            info.size = memoryview(payload).nbytes
         if self.on_sent is not None and payloads:
             self.on_sent("unix" if conn.family == socket.AF_UNIX else "tcp", len(payloads),
                          sum(info.size for info in header.elements))
         header_bytes = header.SerializeToString()
         head = STATUS_LENGTH.pack(OK, len(header_bytes)) + header_bytes
-        send_reply(conn, [head, *payloads])
+        send_buffers(conn, [head, *payloads])
 
 
 def _recv_head(conn: socket.socket) -> bytes:

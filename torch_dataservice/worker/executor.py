@@ -28,7 +28,6 @@ from torch_dataservice.pipeline.sharding import ReplicaPlan
 from torch_dataservice.wire.inprocess import LocalElement
 from torch_dataservice.wire.splits import SplitKey
 from torch_dataservice.worker import launch, shm
-from torch_dataservice.worker.direct_send import HeldWriter
 from torch_dataservice.worker.executor_process import executor_main
 from torch_dataservice.worker.local import LocalChannel
 from torch_dataservice.worker.messages import (
@@ -39,11 +38,8 @@ from torch_dataservice.worker.messages import (
     End,
     Failed,
     FinishedSplit,
-    ForgetHeld,
     FreeSegment,
     FromExecutor,
-    HeldElement,
-    HeldWritten,
     LocalElements,
     Ready,
     Release,
@@ -131,8 +127,7 @@ class _Slot:
         # The same socket, for the file descriptors of shared-memory segments (worker/shm.py).
         self.sock = socket.socket(fileno=os.dup(self.conn.fileno()))
         self.segments = shm.SegmentMap(self._free_segment)
-        self.held = HeldWriter(self._send_with_fd, self._forget_held)
-        self._freed: deque[ToExecutor] = deque()  # FreeSegment and ForgetHeld, to send
+        self._freed: deque[int] = deque()
 
     def stop_receiver(self) -> None:
         """End the receive loop, then close the connection. Closed first, its descriptor
@@ -156,35 +151,16 @@ class _Slot:
     def _free_segment(self, segment: int) -> None:
         # Runs wherever the payload's last reference went, maybe under send_lock already (a
         # garbage collection inside a send): never block on it; the next send flushes.
-        self._freed.append(FreeSegment(segment))
+        self._freed.append(segment)
         if self.send_lock.acquire(blocking=False):
             try:
                 self._flush_freed()
             finally:
                 self.send_lock.release()
-
-    def _forget_held(self, handle: int) -> None:
-        self._freed.append(ForgetHeld(handle))  # as _free_segment: never block here
-        if self.send_lock.acquire(blocking=False):
-            try:
-                self._flush_freed()
-            finally:
-                self.send_lock.release()
-
-    def _send_with_fd(self, message: ToExecutor, fd: int) -> bool:
-        """`send` `message` and file descriptor `fd` right after it (worker/direct_send.py)."""
-        with self.send_lock:
-            if not self.send_locked(message):
-                return False
-            try:
-                shm.send_fd(self.sock, fd)
-            except OSError:
-                return False
-            return True
 
     def _flush_freed(self) -> None:
         while self._freed:
-            if not self.send_locked(self._freed.popleft()):
+            if not self.send_locked(FreeSegment(self._freed.popleft())):
                 self._freed.clear()
                 return
 
@@ -263,7 +239,6 @@ class ExecutorPool:
                 logger.exception("executor message handling failed")
         slot.alive = False
         slot.ready.set()  # nobody waits for a dead executor
-        slot.held.lost()
         if self._closed.is_set():
             return
         logger.error("executor %d died; restarting it", slot.index)
@@ -288,11 +263,6 @@ class ExecutorPool:
                     slot.segments.add(segment, shm.recv_fd(slot.sock), capacity)
                 listener.on_elements(
                     ((key, split, offset, slot.segments.payload(segment, size)),))
-            case HeldElement(key, split, offset, size, handle):  # in the executor's memory
-                listener.on_elements(
-                    ((key, split, offset, slot.held.payload(handle, size)),))
-            case HeldWritten(request, error):
-                slot.held.done(request, error)
             case BigElement(key, split, offset, size):  # its payload follows as raw bytes
                 listener.on_elements(
                     ((key, split, offset, read_exactly(slot.conn.fileno(), size)),))

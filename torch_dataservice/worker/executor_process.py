@@ -36,7 +36,6 @@ from torch_dataservice.wire import codec
 from torch_dataservice.wire.inprocess import LocalElement
 from torch_dataservice.wire.splits import SplitKey
 from torch_dataservice.worker import shm
-from torch_dataservice.worker.direct_send import HeldPayloads
 from torch_dataservice.worker.local import LocalChannel
 from torch_dataservice.worker.messages import (
     BigElement,
@@ -47,10 +46,7 @@ from torch_dataservice.worker.messages import (
     End,
     Failed,
     FinishedSplit,
-    ForgetHeld,
     FreeSegment,
-    HeldElement,
-    HeldWritten,
     LocalElements,
     Ready,
     Release,
@@ -66,7 +62,6 @@ from torch_dataservice.worker.messages import (
     Stop,
     TaskError,
     ToExecutor,
-    WriteHeld,
     write_all,
 )
 from torch_dataservice.worker.replica_splits import SplitAsker
@@ -328,13 +323,10 @@ class ExecutorLoop:
         # carries the segments' file descriptors).
         self._sock: socket.socket | None = None
         self._segments: shm.SegmentPool | None = None
-        # Big payloads the front has its executor write to readers (worker/direct_send.py).
-        self._held: HeldPayloads | None = None
         try:
             self._sock = socket.socket(fileno=os.dup(conn.fileno()))
             if self._sock.family == socket.AF_UNIX:
                 self._segments = shm.SegmentPool()
-                self._held = HeldPayloads()
         except OSError:
             pass
         self._sender = threading.Thread(target=self._send_loop, name="executor-send",
@@ -382,12 +374,6 @@ class ExecutorLoop:
         if size <= INLINE_PAYLOAD_BYTES:
             self.send(_Small((key, split, offset, b"".join(parts))), inline=slow)
             return
-        if self._held is not None and size >= shm.SHM_PAYLOAD_BYTES:
-            # No copy: the front has this process write it to its reader (direct_send.py).
-            handle = self._held.hold(parts, size)
-            if handle is not None:
-                self.send(HeldElement(key, split, offset, size, handle))
-                return
         if self._segments is not None and size >= shm.SHM_PAYLOAD_BYTES:
             # One copy into shared memory, and the replica is free: the front maps it.
             acquired = self._segments.acquire(size)
@@ -544,13 +530,6 @@ class ExecutorLoop:
             case FreeSegment(segment):
                 if self._segments is not None:
                     self._segments.release(segment)
-            case WriteHeld(handle, request):
-                assert self._sock is not None and self._held is not None  # as for HeldElement
-                fd = shm.recv_fd(self._sock)
-                self._held.writers.submit(self._write_held, handle, request, fd)
-            case ForgetHeld(handle):
-                if self._held is not None:
-                    self._held.forget(handle)
             case Credit(key, n):
                 if (replica := self._replica(key)) is not None:
                     replica.add_credits(n)
@@ -562,16 +541,6 @@ class ExecutorLoop:
                     replica.stop()
             case _:
                 logger.warning("executor: unknown message %r", type(message).__name__)
-
-    def _write_held(self, handle: int, request: int, fd: int) -> None:
-        """Write a held payload to a reader's socket (worker/direct_send.py), then say so."""
-        assert self._held is not None
-        error = None
-        try:
-            self._held.write(handle, fd)
-        except (OSError, KeyError) as failed:
-            error = f"{type(failed).__name__}: {failed}"
-        self.send(HeldWritten(request, error), inline=True)
 
     def _replica(self, key: ReplicaKey) -> _Replica | None:
         with self._lock:
@@ -594,8 +563,6 @@ class ExecutorLoop:
         self._sender.join(timeout=5)
         if self._segments is not None:
             self._segments.close()
-        if self._held is not None:
-            self._held.clear()
         if self._sock is not None:
             self._sock.close()
 

@@ -96,20 +96,6 @@ class Shutdown(NamedTuple):
     pass
 
 
-class WriteHeld(NamedTuple):
-    """Write held payload `handle` to the socket whose descriptor follows (SCM_RIGHTS), then
-    answer HeldWritten(`request`) (worker/direct_send.py)."""
-
-    handle: int
-    request: int
-
-
-class ForgetHeld(NamedTuple):
-    """The front dropped held payload `handle`: its memory may go."""
-
-    handle: int
-
-
 # ------------------------------------------------------------------ executor -> front
 class SmallElements(NamedTuple):
     items: list[ElementItem]
@@ -133,23 +119,6 @@ class SegmentElement(NamedTuple):
     size: int
     segment: int
     capacity: int
-
-
-class HeldElement(NamedTuple):
-    """A big element whose payload stays in the executor's memory (worker/direct_send.py)."""
-
-    key: ReplicaKey
-    split: SplitKey | None
-    offset: int
-    size: int
-    handle: int
-
-
-class HeldWritten(NamedTuple):
-    """The answer to WriteHeld(`request`): `error` is None once the payload is written whole."""
-
-    request: int
-    error: str | None
 
 
 class End(NamedTuple):
@@ -204,11 +173,9 @@ class Stages(NamedTuple):
     totals: tuple[float, ...]
 
 
-ToExecutor = (DatasetBytes | Release | Start | Credit | SplitReply | Stop | FreeSegment | Shutdown
-              | WriteHeld | ForgetHeld)
-FromExecutor = (SmallElements | LocalElements | BigElement | SegmentElement | HeldElement
-                | HeldWritten | End | Failed | SplitRequest | SplitDone | Blocked | Stages | Ready
-                | Bundle)
+ToExecutor = DatasetBytes | Release | Start | Credit | SplitReply | Stop | FreeSegment | Shutdown
+FromExecutor = (SmallElements | LocalElements | BigElement | SegmentElement | End | Failed
+                | SplitRequest | SplitDone | Blocked | Stages | Ready | Bundle)
 
 
 # ------------------------------------------------------------------ raw payload bytes

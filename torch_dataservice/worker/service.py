@@ -12,7 +12,6 @@ from torch_dataservice.proto import worker_pb2
 from torch_dataservice.rpc import WORKER_SERVICE_NAME, check_request
 from torch_dataservice.wire import frame
 from torch_dataservice.wire.inprocess import payload_nbytes
-from torch_dataservice.worker.direct_send import materialized
 from torch_dataservice.worker.local import encode_elements
 from torch_dataservice.worker.metrics import WorkerCounters
 from torch_dataservice.worker.tasks import TaskManager
@@ -51,8 +50,6 @@ class WorkerService:
             header.has_error = True
             header.error.type, header.error.message, header.error.traceback = error
         payloads = [element.payload for element in elements]
-        if local or transport == "grpc":  # the data port has executors write theirs
-            payloads = materialized(payloads)
         if payloads and (local or transport):  # once per reply (the data port counts its own)
             self.counters.sent(transport or "local", len(payloads),
                                sum(payload_nbytes(p) for p in payloads))
