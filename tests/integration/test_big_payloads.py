@@ -1,0 +1,50 @@
+"""Batches of decoded images, the payloads of issue 28's big-payload target: they arrive whole and
+in order over the TCP data port and the Unix socket, compressed or not."""
+
+from __future__ import annotations
+
+import sys
+
+import cloudpickle
+import pytest
+import torch
+
+import torch_dataservice as tds
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+SHAPE = (8, 3, 224, 224)  # 1.2 MB: above the 1 MiB from which payloads take shared memory
+HUGE = 48 << 20  # far more than the socket buffers hold
+
+
+def batch(i: int) -> tuple[torch.Tensor, int]:
+    generator = torch.Generator().manual_seed(i)
+    return torch.randint(0, 256, SHAPE, dtype=torch.uint8, generator=generator), i
+
+
+def huge(i: int) -> torch.Tensor:
+    return torch.full((HUGE,), i + 1, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("target_workers", ["ANY", "LOCAL"])
+def test_big_batches_arrive_whole_and_in_order(cluster_factory, target_workers: str) -> None:
+    cluster = cluster_factory(num_workers=1, num_processes=1)
+    count = 12
+    pipeline = tds.Pipeline.range(count).map(batch).apply(tds.distribute(
+        "parallel_epochs", cluster.target, compression=None, target_workers=target_workers))
+    received = []
+    for images, i in pipeline:
+        assert torch.equal(images, batch(i)[0]), i
+        received.append(i)
+    assert received == list(range(count))
+
+
+def test_compressed_big_batches_arrive_whole(cluster_factory) -> None:
+    cluster = cluster_factory(num_workers=1, num_processes=1)
+    pipeline = tds.Pipeline.range(4).map(huge).apply(tds.distribute(
+        "parallel_epochs", cluster.target, compression="AUTO", target_workers="ANY"))
+    received = list(pipeline)
+    assert [int(t[0]) for t in received] == [1, 2, 3, 4]
+    assert all(bool((t == t[0]).all()) and t.numel() == HUGE for t in received)
