@@ -90,8 +90,9 @@ def test_chaos_epochs_with_a_cache_are_exactly_once(process_cluster: ProcessClus
             kill_dispatcher)
         assert result.done, f"epoch {epoch}: {result}\n{output}"
         assert result.missing == 0 and result.duplicated == 0, f"epoch {epoch}: {result}"
-        # A worker restart waits for the new process to serve (seconds on a loaded machine).
-        assert worker_kills >= 2 and dispatcher_kills == int(kill_dispatcher), (
+        # A worker restart waits for the new process to serve (seconds on a loaded machine);
+        # epoch 2 also restarts the dispatcher, and reads faster (from the caches).
+        assert worker_kills >= 3 - epoch and dispatcher_kills == int(kill_dispatcher), (
             f"epoch {epoch} ended before the chaos")
     # Epoch 2 read from the caches of the workers not killed since they computed a split.
     assert computed(cache_log) - computed_before < N
