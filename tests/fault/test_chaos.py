@@ -29,7 +29,7 @@ KILL_EVERY_S = 2.0
 def test_chaos_epoch_is_exactly_once(process_cluster: ProcessCluster, tmp_path: Path) -> None:
     dispatcher = process_cluster.start_dispatcher(
         "--fault-tolerant", "--work-dir", str(tmp_path / "work"), "--worker-timeout-ms", "1500")
-    workers = [process_cluster.start_worker() for _ in range(3)]
+    workers = process_cluster.start_workers(3)
     outs = [tmp_path / f"out{i}.txt" for i in range(2)]
     consumers = [Consumer(process_cluster, N, out, "chaos", MAX_RATE) for out in outs]
     consumer = consumers[0]
