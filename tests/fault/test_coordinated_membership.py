@@ -54,7 +54,7 @@ def _wait_for_new_pid(got: list[list], known: set[int], errors: list, what: str)
 def test_new_and_restarted_workers_join_a_running_coordinated_read(
         process_cluster: ProcessCluster) -> None:
     process_cluster.start_dispatcher("--worker-timeout-ms", "1000")
-    workers = process_cluster.start_workers(2)
+    workers = [process_cluster.start_worker() for _ in range(2)]
     got, errors, stop, threads = _start_readers(process_cluster.target, 40)
     try:
         original = {pid for pid, _ in got[0]}

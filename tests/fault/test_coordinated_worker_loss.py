@@ -37,7 +37,7 @@ def read_in_rounds(target: str, job: str, consumer: int, got: list, errors: list
 
 def test_coordinated_reads_survive_a_killed_worker(process_cluster: ProcessCluster) -> None:
     process_cluster.start_dispatcher("--worker-timeout-ms", "1000")
-    workers = process_cluster.start_workers(3)
+    workers = [process_cluster.start_worker() for _ in range(3)]
     got: list[list[tuple[int, int]]] = [[], []]
     errors: list[BaseException] = []
     stop = threading.Event()

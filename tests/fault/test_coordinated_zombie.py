@@ -32,7 +32,7 @@ def _wait(got: list[list], errors: list, counts: list[int], what: str) -> None:
 
 def test_a_zombie_worker_delivers_nothing_twice(process_cluster: ProcessCluster) -> None:
     dispatcher = process_cluster.start_dispatcher("--worker-timeout-ms", "1000")
-    workers = process_cluster.start_workers(2)
+    workers = [process_cluster.start_worker() for _ in range(2)]
     got: list[list[tuple[int, int]]] = [[], []]
     errors: list[BaseException] = []
     stop = threading.Event()
