@@ -327,12 +327,26 @@ class ProcessCluster:
 
     def start_worker(self, *extra: str, port: int | None = None,
                      processes: int = 1) -> ServerProcess:
-        assert self.dispatcher is not None, "start_dispatcher() first"
-        process = self.spawn("worker", "--dispatcher", self.dispatcher.address, "--host", HOST,
-                             "--port", str(port or free_port()), "--processes", str(processes),
-                             "--heartbeat-interval-ms", "100", *extra)
+        process = self._spawn_worker(port or free_port(), processes, extra)
         process.wait_serving()
         return process
+
+    def start_workers(self, count: int, *extra: str, processes: int = 1) -> list[ServerProcess]:
+        """`count` workers started at once, then waited for: each spends seconds importing
+        torch, and they do it side by side instead of one after the other."""
+        ports: set[int] = set()
+        while len(ports) < count:
+            ports.add(free_port())
+        started = [self._spawn_worker(port, processes, extra) for port in ports]
+        for process in started:
+            process.wait_serving()
+        return started
+
+    def _spawn_worker(self, port: int, processes: int, extra: tuple[str, ...]) -> ServerProcess:
+        assert self.dispatcher is not None, "start_dispatcher() first"
+        return self.spawn("worker", "--dispatcher", self.dispatcher.address, "--host", HOST,
+                          "--port", str(port), "--processes", str(processes),
+                          "--heartbeat-interval-ms", "100", *extra)
 
     def close(self) -> None:
         for process in self.processes:

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from torch_dataservice import auth
 from torch_dataservice.config import DispatcherConfig, TLSConfig, WorkerConfig
@@ -349,10 +349,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                                sys.stdout, signals.stop)
         if args.command == "dispatcher":
             return _run_dispatcher(args, signals)
-        return _run_worker(args, signals)
+        code = _run_worker(args, signals)
     except (ValueError, OSError, JournalCorruptError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
+    if argv is None:  # the command's own process (not a caller's main([...]))
+        _exit_without_teardown(code)
+    return code
+
+
+def _exit_without_teardown(code: int) -> NoReturn:
+    """End a stopped worker's process now: the interpreter's teardown with torch imported
+    takes seconds (more on a busy host), which a drained worker's SIGTERM, a pod's
+    termination and a restart on the same port would wait for. The server, its ports and its
+    executors were released already; only logs and stdout remain to be written."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

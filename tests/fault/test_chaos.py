@@ -80,7 +80,7 @@ def test_chaos_epochs_with_a_cache_are_exactly_once(process_cluster: ProcessClus
                                                     tmp_path: Path) -> None:
     dispatcher = process_cluster.start_dispatcher(
         "--fault-tolerant", "--work-dir", str(tmp_path / "work"), "--worker-timeout-ms", "1500")
-    workers = [process_cluster.start_worker() for _ in range(3)]
+    workers = process_cluster.start_workers(3)
     (cache_log := tmp_path / "computed").mkdir()
     computed_before = 0
     for epoch, kill_dispatcher in ((1, False), (2, True)):

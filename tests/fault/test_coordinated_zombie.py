@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.conftest import ProcessCluster
+from tests.conftest import ProcessCluster, wait_until
 from tests.fault.helpers import read_coordinated
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(180)]
@@ -31,7 +31,7 @@ def _wait(got: list[list], errors: list, counts: list[int], what: str) -> None:
 
 
 def test_a_zombie_worker_delivers_nothing_twice(process_cluster: ProcessCluster) -> None:
-    process_cluster.start_dispatcher("--worker-timeout-ms", "1000")
+    dispatcher = process_cluster.start_dispatcher("--worker-timeout-ms", "1000")
     workers = [process_cluster.start_worker() for _ in range(2)]
     got: list[list[tuple[int, int]]] = [[], []]
     errors: list[BaseException] = []
@@ -43,7 +43,8 @@ def test_a_zombie_worker_delivers_nothing_twice(process_cluster: ProcessCluster)
     try:
         _wait(got, errors, [40, 40], "before the freeze")
         os.killpg(workers[0].proc.pid, signal.SIGSTOP)  # declared dead after 1 s
-        time.sleep(3)
+        wait_until(lambda: "missed heartbeats" in dispatcher.output, 30,
+                   "the frozen worker removed")
         os.killpg(workers[0].proc.pid, signal.SIGCONT)  # back: registers again
         _wait(got, errors, [len(g) + 300 for g in got], "after the freeze")
     finally:

@@ -11,12 +11,13 @@ import random
 import re
 import socket
 import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
 
 import torch_dataservice as tds
-from tests.conftest import HOST, ProcessCluster
+from tests.conftest import HOST, ProcessCluster, ServerProcess
 from torch_dataservice.proto import dispatcher_pb2
 from torch_dataservice.worker import data_port
 
@@ -46,6 +47,19 @@ def read_epoch(target: str, job_name: str) -> list[int]:
     return sorted(int(x) for x in pipeline)
 
 
+@pytest.fixture(scope="module")
+def servers() -> Iterator[tuple[ProcessCluster, ServerProcess, ServerProcess]]:
+    """One dispatcher and one worker for both tests: the junk goes to the dispatcher's gRPC
+    port, the idle connections to the worker's data port, and each test reads jobs of its own
+    names, so neither sees the other's traffic in what it measures or in the log it counts."""
+    cluster = ProcessCluster()
+    try:
+        dispatcher = cluster.start_dispatcher()
+        yield cluster, dispatcher, cluster.start_worker()
+    finally:
+        cluster.close()
+
+
 def wait_for(predicate, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -57,10 +71,9 @@ def wait_for(predicate, timeout_s: float) -> bool:
 
 @pytest.mark.timeout(120)
 def test_idle_data_port_connections_are_refused_and_cut(
-        process_cluster: ProcessCluster) -> None:
+        servers: tuple[ProcessCluster, ServerProcess, ServerProcess]) -> None:
     """Before: 1,000 idle connections held 1,013 threads and 1,016 descriptors for good."""
-    process_cluster.start_dispatcher()
-    worker = process_cluster.start_worker()
+    process_cluster, _, worker = servers
     port = int(re.search(r"data port (\d+)", worker.output).group(1))
     pid = worker.proc.pid
     assert read_epoch(process_cluster.target, "warm-up") == list(range(N))
@@ -93,13 +106,12 @@ def _junk(rng: random.Random) -> bytes:
 
 @pytest.mark.timeout(180)
 def test_malformed_requests_leave_memory_and_log_alone(
-        process_cluster: ProcessCluster) -> None:
+        servers: tuple[ProcessCluster, ServerProcess, ServerProcess]) -> None:
     """Before: every undecodable request cost the dispatcher ~15 KB for good (grpcio's path
     for a failing deserializer) and a traceback in its log."""
-    dispatcher = process_cluster.start_dispatcher()
-    process_cluster.start_worker()
+    process_cluster, dispatcher, _ = servers
     pid = dispatcher.proc.pid
-    assert read_epoch(process_cluster.target, "warm-up") == list(range(N))
+    assert read_epoch(process_cluster.target, "junk-warm-up") == list(range(N))
     rng = random.Random(7)
     service = dispatcher_pb2.DESCRIPTOR.services_by_name["DispatcherService"]
     codes: collections.Counter[str] = collections.Counter()

@@ -8,35 +8,46 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, ProcessCluster
+from tests.conftest import REPO, ProcessCluster, ServerProcess, wait_until
 from tests.fault.helpers import Consumer, tally_all
 from torch_dataservice.client.membership import HEARTBEAT_INTERVAL_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(240)]
 
 N = 20_000
-PAUSE_S = 3.0  # > job_gc_timeout_ms (300) + the dispatcher's check interval (1 s)
+PAUSE_DEADLINE_S = 30.0  # a pause lasts until the dispatcher logged what it outlived
+SILENT = "what it did not acknowledge"  # a client silent past worker_timeout_ms
+RELEASED = ": released"  # a client silent past job_gc_timeout_ms
+
+
+def pause_until_logged(proc: subprocess.Popen, dispatcher: ServerProcess, *lines: str,
+                       meanwhile: Callable[[], object] = lambda: None) -> None:
+    """SIGSTOP the reader (then run `meanwhile`) and SIGCONT it once the dispatcher logged
+    each of `lines` more often than before: a pause as long as needed (job_gc_timeout_ms or
+    worker_timeout_ms plus the dispatcher's check), however busy the host, and no longer."""
+    before = {line: dispatcher.output.count(line) for line in lines}
+    proc.send_signal(signal.SIGSTOP)
+    meanwhile()
+    wait_until(lambda: all(dispatcher.output.count(line) > before[line] for line in lines),
+               PAUSE_DEADLINE_S, f"the dispatcher to log {lines} while the reader is paused")
+    proc.send_signal(signal.SIGCONT)
 
 
 def test_a_paused_dynamic_reader_goes_on_exactly_once(process_cluster: ProcessCluster,
                                                       tmp_path: Path) -> None:
     dispatcher = process_cluster.start_dispatcher("--job-gc-timeout-ms", "300")
-    for _ in range(2):
-        process_cluster.start_worker()
+    process_cluster.start_workers(2)
     consumer = Consumer(process_cluster, N, tmp_path / "out.txt", "paused", max_rate=4000)
     assert consumer.wait_received(N // 5, 60), consumer.output()
-    consumer.proc.send_signal(signal.SIGSTOP)
-    time.sleep(PAUSE_S)
-    consumer.proc.send_signal(signal.SIGCONT)
+    pause_until_logged(consumer.proc, dispatcher, RELEASED)
     result = consumer.wait(90)
     assert result.done and result.missing == 0 and result.duplicated == 0, (
         f"{result}\n{consumer.output()}\n{dispatcher.output[-2000:]}")
-    assert "released" in dispatcher.output  # the pause really outlived job_gc_timeout_ms
     assert "joined iteration" in consumer.output()
 
 
@@ -50,13 +61,10 @@ def test_a_reader_paused_past_worker_timeout_says_it_was_taken_for_dead(
     process_cluster.start_worker()
     consumer = Consumer(process_cluster, N, tmp_path / "out.txt", "silent", max_rate=4000)
     assert consumer.wait_received(N // 5, 60), consumer.output()
-    consumer.proc.send_signal(signal.SIGSTOP)
-    time.sleep(PAUSE_S)  # > worker_timeout_ms (1500) + the dispatcher's check interval (1 s)
-    consumer.proc.send_signal(signal.SIGCONT)
+    pause_until_logged(consumer.proc, dispatcher, SILENT)
     result = consumer.wait(90)
     assert result.done and result.missing == 0 and result.duplicated == 0, (
         f"{result}\n{consumer.output()}\n{dispatcher.output[-2000:]}")
-    assert "silent for" in dispatcher.output  # it really was declared silent
     assert "taken for dead" in consumer.output() and "delivered twice" in consumer.output()
 
 
@@ -75,7 +83,7 @@ except Exception as error:
 
 
 def test_a_paused_off_reader_fails_naming_job_gc_timeout(process_cluster: ProcessCluster) -> None:
-    process_cluster.start_dispatcher("--job-gc-timeout-ms", "300")
+    dispatcher = process_cluster.start_dispatcher("--job-gc-timeout-ms", "300")
     process_cluster.start_worker()
     proc = subprocess.Popen([sys.executable, "-c", OFF_READER, process_cluster.target],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -83,9 +91,7 @@ def test_a_paused_off_reader_fails_naming_job_gc_timeout(process_cluster: Proces
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "reading"
-        proc.send_signal(signal.SIGSTOP)
-        time.sleep(PAUSE_S)
-        proc.send_signal(signal.SIGCONT)
+        pause_until_logged(proc, dispatcher, RELEASED)
         output = proc.communicate(timeout=60)[0]
     finally:
         proc.kill()
@@ -103,17 +109,16 @@ def test_a_paused_reader_sharing_a_job_drops_what_was_handed_again(
     rate = 2000  # elements/s per reader, taken one at a time
     n = 40_000
     dispatcher = process_cluster.start_dispatcher("--worker-timeout-ms", "1500")
-    workers = [process_cluster.start_worker() for _ in range(2)]
+    workers = process_cluster.start_workers(2)
     go = tmp_path / "go"
     consumers = [Consumer(process_cluster, n, tmp_path / f"out{i}.txt", "shared", max_rate=rate,
                           flush_every=1, go=go) for i in range(2)]
     Consumer.start_together(consumers, go, 60)
     paused = consumers[0]
     assert paused.wait_received(n // 10, 60), paused.output()
-    paused.proc.send_signal(signal.SIGSTOP)
-    workers[0].kill()
-    time.sleep(PAUSE_S + 1.5)  # > worker_timeout_ms (1500) + the dispatcher's check (1 s)
-    paused.proc.send_signal(signal.SIGCONT)
+    # Resumed once it was declared silent and the killed worker's splits were handed again.
+    pause_until_logged(paused.proc, dispatcher, SILENT, "missed heartbeats",
+                       meanwhile=workers[0].kill)
     for consumer in consumers:
         consumer.wait(120)
     result = tally_all([c.out for c in consumers], n)

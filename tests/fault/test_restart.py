@@ -23,8 +23,7 @@ def test_dispatcher_killed_mid_epoch_restarts_from_its_journal(
         process_cluster: ProcessCluster, tmp_path: Path) -> None:
     dispatcher = process_cluster.start_dispatcher(
         "--fault-tolerant", "--work-dir", str(tmp_path / "work"), "--worker-timeout-ms", "3000")
-    for _ in range(2):
-        process_cluster.start_worker()
+    process_cluster.start_workers(2)
     consumer = Consumer(process_cluster, N, tmp_path / "out.txt", "restart")
     assert consumer.wait_received(N // 5, 60), consumer.output()
     dispatcher.signal(signal.SIGKILL)
@@ -39,7 +38,7 @@ def test_dispatcher_killed_mid_epoch_restarts_from_its_journal(
 def test_a_worker_killed_mid_epoch_loses_and_repeats_nothing(
         process_cluster: ProcessCluster, tmp_path: Path) -> None:
     dispatcher = process_cluster.start_dispatcher("--worker-timeout-ms", "1000")
-    workers = [process_cluster.start_worker() for _ in range(3)]
+    workers = process_cluster.start_workers(3)
     # Read slower than the workers make elements: each one's buffer fills and its executor
     # waits in the middle of a split, so the killed worker surely holds one. (Unthrottled, on
     # a loaded machine, it was once killed between two splits, with nothing to requeue.)

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ProcessCluster
+from tests.conftest import ProcessCluster, wait_until
 from tests.fault.helpers import Consumer, received, tally_all
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(150)]
@@ -25,12 +24,13 @@ RATE = 2_000.0  # elements/s per consumer: the epoch lasts ~6 s, the faults land
 def test_a_zombie_worker_delivers_nothing_twice(process_cluster: ProcessCluster,
                                                 tmp_path: Path) -> None:
     dispatcher = process_cluster.start_dispatcher("--worker-timeout-ms", "1000")
-    workers = [process_cluster.start_worker() for _ in range(3)]
+    workers = process_cluster.start_workers(3)
     outs = [tmp_path / f"out{i}.txt" for i in range(2)]
     consumers = [Consumer(process_cluster, ZOMBIE_N, out, "zombie") for out in outs]
     assert all(c.wait_received(ZOMBIE_N // 20, 60) for c in consumers), consumers[0].output()
     os.killpg(workers[0].proc.pid, signal.SIGSTOP)  # a frozen VM: buffered elements stay
-    time.sleep(3.0)  # declared dead after 1 s; its splits are handed to the others
+    # Declared dead after 1 s; its splits are handed to the others.
+    wait_until(lambda: "missed heartbeats" in dispatcher.output, 30, "the frozen worker removed")
     os.killpg(workers[0].proc.pid, signal.SIGCONT)  # ... and it comes back, re-registers
     results = [c.wait(90) for c in consumers]
     total = tally_all(outs, ZOMBIE_N)
@@ -42,8 +42,7 @@ def test_a_zombie_worker_delivers_nothing_twice(process_cluster: ProcessCluster,
 def test_a_consumer_killed_while_sharing_leaves_its_unacknowledged_elements_to_the_other(
         process_cluster: ProcessCluster, tmp_path: Path) -> None:
     dispatcher = process_cluster.start_dispatcher("--worker-timeout-ms", "1000")
-    for _ in range(2):
-        process_cluster.start_worker()
+    process_cluster.start_workers(2)
     survivor_out, victim_out = tmp_path / "survivor.txt", tmp_path / "victim.txt"
     go = tmp_path / "go"
     survivor = Consumer(process_cluster, N, survivor_out, "shared", RATE, go=go)

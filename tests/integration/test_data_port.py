@@ -101,8 +101,7 @@ def test_reads_with_a_token(cluster_factory, force_grpc: None, paths: list[str],
 def test_a_worker_killed_mid_read_is_skipped(process_cluster, target_workers: str) -> None:
     n = 40
     process_cluster.start_dispatcher("--worker-timeout-ms", "1500")
-    victim = process_cluster.start_worker()
-    process_cluster.start_worker()
+    victim, _ = process_cluster.start_workers(2)
     pipeline = tds.Pipeline.range(n).map(slow_element).apply(tds.distribute(
         "parallel_epochs", process_cluster.target, compression=None,
         target_workers=target_workers))

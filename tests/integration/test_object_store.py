@@ -62,7 +62,7 @@ def test_an_epoch_is_read_exactly_once_through_a_worker_killed_mid_shard(
         process_cluster: ProcessCluster, s3: S3Server, tmp_path: Path) -> None:
     process_cluster.env = s3.env()
     dispatcher = process_cluster.start_dispatcher("--worker-timeout-ms", "1000")
-    workers = [process_cluster.start_worker() for _ in range(2)]
+    workers = process_cluster.start_workers(2)
     mark = len(s3.recording.requests())
     out = tmp_path / "out.txt"
     # Each worker makes 60 samples/s (a pause per sample on the worker): after the trainer's
@@ -83,8 +83,7 @@ def test_one_listing_per_registration_whatever_the_workers_and_executors(
         process_cluster: ProcessCluster, s3: S3Server, tmp_path: Path) -> None:
     process_cluster.env = s3.env()
     process_cluster.start_dispatcher()
-    for _ in range(2):
-        process_cluster.start_worker(processes=2)
+    process_cluster.start_workers(2, processes=2)
     cases = [("tar", f"s3://{BUCKET}/shards/*.tar", sorted(expected_samples()),
               {f"shards/{i:03d}.tar" for i in range(SHARDS)}),
              ("files", f"s3://{BUCKET}/files/*.bin",

@@ -119,14 +119,15 @@ def test_iterable_errors_go_on_or_end_as_with_torch(cluster: Cluster, num_worker
 
 
 class Sleepy(Dataset):
-    """torch's SleepDataset: the first sample takes longer than the timeout."""
+    """torch's SleepDataset: the first sample takes longer than the timeout (1 s) by a second,
+    however late the worker starts it."""
 
     def __len__(self) -> int:
         return 4
 
     def __getitem__(self, index: int) -> int:
         if index == 0:
-            time.sleep(3.0)
+            time.sleep(2.0)
         return index
 
 
