@@ -17,10 +17,10 @@ from tests.dispatcher.builders import (
     task_of,
 )
 from torch_dataservice import rpc
-from torch_dataservice.client.delivery import to_ranges
 from torch_dataservice.dispatcher import cadence
 from torch_dataservice.errors import GRPC_REFUSAL_RETRY_AFTER_MS, is_retryable, retry_after_ms
 from torch_dataservice.proto import common_pb2, dispatcher_pb2
+from torch_dataservice.wire.splits import index_ranges
 
 pb = dispatcher_pb2
 
@@ -169,9 +169,9 @@ def test_grpcs_own_refusal_of_a_full_queue_is_overload_that_peers_wait_out() -> 
 
 
 def test_offsets_travel_as_ranges() -> None:
-    assert to_ranges([]) == []
-    assert to_ranges([3, 0, 1, 2, 7, 9, 8, 2]) == [0, 4, 7, 10]
-    assert to_ranges(range(10_000)) == [0, 10_000]
+    assert index_ranges([]) == []
+    assert index_ranges([3, 0, 1, 2, 7, 9, 8, 2]) == [0, 4, 7, 10]
+    assert index_ranges(range(10_000)) == [0, 10_000]
 
 
 def test_a_range_acknowledgement_settles_a_split_and_a_bad_range_is_refused() -> None:

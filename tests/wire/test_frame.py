@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from torch_dataservice.proto import worker_pb2
-from torch_dataservice.wire import build_frame, decode, encode, parse_frame
+from torch_dataservice.wire.codec import decode, encode
+from torch_dataservice.wire.frame import build_frame, parse_frame
 
 
 def make_header(count: int) -> worker_pb2.ElementBatchHeader:

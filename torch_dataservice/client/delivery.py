@@ -24,6 +24,7 @@ from typing import Any
 
 from torch_dataservice.errors import RemoteError
 from torch_dataservice.proto import common_pb2, dispatcher_pb2, worker_pb2
+from torch_dataservice.wire.splits import index_ranges
 
 Key = tuple[int, int]  # (split repetition, split index)
 
@@ -208,7 +209,7 @@ class Delivery:
             fenced = sorted(self._fenced)
         for (repetition, index), offsets in reports.items():
             request.received.add(split=common_pb2.SplitKey(repetition=repetition, index=index),
-                                 offset_ranges=to_ranges(offsets))
+                                 offset_ranges=index_ranges(offsets))
         if isinstance(request, dispatcher_pb2.ClientHeartbeatRequest):
             request.fenced_tasks.extend(fenced)
         return reports, fenced
@@ -227,17 +228,6 @@ class Delivery:
                 received = self.seen.get((split.split.repetition, split.split.index))
                 if received is not None:
                     received.deliver_below(split.num_elements)
-
-
-def to_ranges(offsets: Iterable[int]) -> list[int]:
-    """Offsets as flattened [start, end) pairs: [0, 1, 2, 5] -> [0, 3, 5, 6]."""
-    ranges: list[int] = []
-    for offset in sorted(set(offsets)):
-        if ranges and ranges[-1] == offset:
-            ranges[-1] = offset + 1
-        else:
-            ranges += (offset, offset + 1)
-    return ranges
 
 
 def split_tags(header: worker_pb2.ElementBatchHeader) -> list[tuple[int, int, int] | None]:

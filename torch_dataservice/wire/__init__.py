@@ -1,13 +1,4 @@
-"""Wire format: the element codec (nested tensors <-> bytes) and the GetElements reply frame."""
-
-from torch_dataservice.wire.codec import COMPRESSION_AUTO, decode, encode, payload_size
-from torch_dataservice.wire.frame import build_frame, parse_frame
-
-__all__ = [
-    "COMPRESSION_AUTO",
-    "build_frame",
-    "decode",
-    "encode",
-    "parse_frame",
-    "payload_size",
-]
+"""Wire format: the element codec (codec.py: nested tensors <-> bytes), the GetElements reply
+frame (frame.py), the data-port protocol, what stays in this process (inprocess.py) and a
+split's names (splits.py). Nothing is imported here: the dispatcher uses `wire.splits` and must
+not pay for the codec's torch (tests/test_public_api.py)."""

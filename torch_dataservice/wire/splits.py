@@ -28,8 +28,9 @@ class HandedSplit(NamedTuple):
 
 
 def index_ranges(indices: Iterable[int]) -> list[int]:
-    """Split indices as ascending disjoint [start, end) pairs, flat (HeldSplits.ranges): a
-    worker's cached splits travel compactly. ValueError for a negative index."""
+    """Indices as ascending disjoint [start, end) pairs, flat: [0, 1, 2, 5] -> [0, 3, 5, 6].
+    How a worker's cached splits (HeldSplits.ranges) and a reader's acknowledged offsets
+    (ReceivedSplit.offset_ranges) travel compactly. ValueError for a negative index."""
     flat: list[int] = []
     for index in sorted(set(indices)):
         if index < 0:
