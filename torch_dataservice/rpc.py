@@ -44,6 +44,10 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.enable_retries", 0),
 ]
+# How long after a server is back its peers may take to reach it: a channel that failed to
+# connect tries again after its backoff, at most max_reconnect_backoff_ms plus gRPC's jitter
+# (up to 20%); calls made meanwhile fail at once with the last connection error.
+RECONNECT_WITHIN_S = 1.2 * dict(CHANNEL_OPTIONS)["grpc.max_reconnect_backoff_ms"] / 1000
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", -1),
     ("grpc.max_receive_message_length", -1),

@@ -10,6 +10,7 @@ import pytest
 from tests.dispatcher.builders import Clock, make_service
 from torch_dataservice.dispatcher.service import DispatcherService
 from torch_dataservice.proto import common_pb2, dispatcher_pb2
+from torch_dataservice.rpc import RECONNECT_WITHIN_S
 
 pb = dispatcher_pb2
 pytestmark = pytest.mark.timeout(30)
@@ -130,3 +131,26 @@ def test_a_task_that_ended_for_the_fastest_consumer_is_lost_with_its_worker() ->
     assert not [t.task_id for t in beat(service, clients[0], 0).tasks if t.lost]
     lose(service, clock, "b:1", alive=("a:1", "c:1"))
     assert [t.task_id for t in beat(service, clients[0], 0).tasks if t.lost] == [tasks[1]]
+
+
+def test_a_restarted_dispatcher_gives_live_workers_the_time_to_reconnect(tmp_path: Path) -> None:
+    """A worker's channel reaches a restarted dispatcher up to RECONNECT_WITHIN_S late (gRPC's
+    reconnect backoff). Declared dead at worker_timeout_ms after the restart, a live worker
+    lost its task and joined again with a new one, which read its dataset again from the
+    start in the same executor: the fault sequence's elements delivered twice."""
+    service = make_service(Clock(), tmp_path, worker_timeout_ms=1000)
+    _, tasks, clients = start_job(service)
+    service.close()
+    clock = Clock()
+    restarted = make_service(clock, tmp_path, worker_timeout_ms=1000)
+    clock.now = 1.0 + RECONNECT_WITHIN_S - 0.05  # past the timeout, not past a reconnect
+    restarted.check_liveness()
+    assert sorted(restarted.state.workers) == ["a:1", "b:1", "c:1"]
+    for address in ("a:1", "c:1"):  # back; b:1 is gone for good
+        restarted.WorkerHeartbeat(pb.WorkerHeartbeatRequest(worker_address=address,
+                                                            worker_uid=1), None)
+    assert not [t.task_id for t in beat(restarted, clients[0], 0).tasks if t.lost]
+    clock.now += 0.1
+    restarted.check_liveness()
+    assert sorted(restarted.state.workers) == ["a:1", "c:1"]
+    assert [t.task_id for t in beat(restarted, clients[0], 0).tasks if t.lost] == [tasks[1]]

@@ -36,7 +36,7 @@ def _read_the_sequence(cluster: ProcessCluster, work_dir: str, mode: str,
     """The rounds read, each as the (pid, element) of every consumer."""
     dispatcher = cluster.start_dispatcher(
         "--fault-tolerant", "--work-dir", work_dir, "--worker-timeout-ms", "1000")
-    workers = [cluster.start_worker("--drain-timeout-s", "1") for _ in range(2)]
+    workers = cluster.start_workers(2, "--drain-timeout-s", "1")
     readers = [iter(tds.Pipeline.range(10**9).map(tag_with_pid).apply(tds.distribute(
         mode, cluster.target, job_name="sequence", consumer_index=i, num_consumers=CONSUMERS,
         max_outstanding_requests=outstanding))) for i in range(CONSUMERS)]

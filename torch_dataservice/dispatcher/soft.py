@@ -3,7 +3,10 @@
 A restart forgets all of it and re-learns it (heartbeats, reports), so nothing here may decide
 what was promised to anyone. `restored` says what a fresh dispatcher assumes after replay:
 nothing is declared dead or collected because the dispatcher itself was down, and every
-requeued split waits for fresh client reports.
+requeued split waits for fresh client reports. Workers and clients count as heard of when their
+channels can have reconnected (rpc.RECONNECT_WITHIN_S after the restart), not at the restart:
+a live worker whose channel was backing off would otherwise miss a short worker timeout, be
+declared dead and lose its tasks (coordinated reads: it joins again with a new task).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch_dataservice.dispatcher.state import DispatcherState, Iteration
+from torch_dataservice.rpc import RECONNECT_WITHIN_S
 
 
 @dataclass
@@ -72,9 +76,10 @@ class SoftState:
     @classmethod
     def restored(cls, state: DispatcherState, now: float) -> SoftState:
         requeued_at = {i: 0 for i, it in state.iterations.items() if it.requeued}
+        heard = now + RECONNECT_WITHIN_S
         return cls(
-            worker_seen=dict.fromkeys(state.workers, now),
-            client_seen=dict.fromkeys(state.clients, now),
+            worker_seen=dict.fromkeys(state.workers, heard),
+            client_seen=dict.fromkeys(state.clients, heard),
             iteration_idle_since={i: now for i, it in state.iterations.items()
                                   if not it.garbage_collected and not it.client_ids},
             requeued_at=requeued_at,
