@@ -18,6 +18,8 @@ import pytest
 
 import torch_dataservice as tds
 from tests.conftest import subprocess_env, wait_until
+from torch_dataservice.pipeline import pickling
+from torch_dataservice.pipeline.sharding import ReplicaPlan
 from torch_dataservice.worker import launch
 from torch_dataservice.worker.executor import ExecutorPool
 from torch_dataservice.worker.messages import ReplicaKey, SplitRequest, TaskError
@@ -298,3 +300,36 @@ def test_an_embedded_loader_forks_its_fork_server_from_the_training_script(tmp_p
     wants two starts as a fresh interpreter (a fork would hang in its first parallel op)."""
     lines = run_script(tmp_path, "train.py", EMBEDDED_SCRIPT)
     assert lines == ["forked True True", "read True", "two threads ['InterpreterProcess']"]
+
+
+class _SlowToNoticeLoss(_Listener):
+    """Holds the executor's receive loop in `on_executor_lost` until released: the moment
+    between an executor's death and its replacement."""
+
+    def __init__(self) -> None:
+        self.lost = threading.Event()
+        self.release = threading.Event()
+
+    def on_executor_lost(self, slot: int) -> None:
+        self.lost.set()
+        self.release.wait(30)
+
+
+def test_a_replica_started_while_its_executor_restarts_goes_to_the_new_one() -> None:
+    # Found in a full suite run (tests/worker/test_cache.py): the next epoch's task, started
+    # right after an executor was SIGKILLed, failed with "executor process unavailable".
+    listener = _SlowToNoticeLoss()
+    pool = ExecutorPool(1, listener)
+    try:
+        pool.start(timeout=60)
+        os.kill(pool._slots[0].process.pid, signal.SIGKILL)  # noqa: SLF001
+        assert listener.lost.wait(30)
+        threading.Timer(0.3, listener.release.set).start()
+        started = pool.start_replica(
+            0, (1, 0), "dataset", pipeline=lambda _: pickling.dumps(tds.Pipeline.range(3)),
+            plan=ReplicaPlan(), compression=None, credits=1)
+        assert started
+        assert pool._slots[0].alive  # noqa: SLF001
+    finally:
+        listener.release.set()
+        pool.close()

@@ -303,6 +303,17 @@ class ExecutorPool:
         with self._lock:
             return self._slots[index % self._size]
 
+    def _live_slot(self, index: int, timeout_s: float = READY_TIMEOUT_S) -> _Slot:
+        """Slot `index`, or once its executor died, the replacement its receive loop starts
+        (within `timeout_s`): a task started in between would otherwise fail for an executor
+        that is coming back (the next epoch's, right after a crash)."""
+        deadline = time.monotonic() + timeout_s
+        slot = self._slot(index)
+        while not slot.alive and not self._closed.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
+            slot = self._slot(index)
+        return slot
+
     def start_replica(self, slot_index: int, key: ReplicaKey, dataset_id: str, *,
                       pipeline: Callable[[str], bytes], plan: ReplicaPlan,
                       compression: str | None, credits: int,
@@ -310,7 +321,7 @@ class ExecutorPool:
         """Start a replica of `dataset_id`, first sending the executor the datasets it does not
         have yet: `dependencies` (pipeline/shared_objects.py), then the pipeline itself
         (`pipeline(dataset_id)`: its bytes, asked for only when the executor lacks them)."""
-        slot = self._slot(slot_index)
+        slot = self._live_slot(slot_index)
         # All under the slot's send lock: a release_dataset cannot fall between a dataset and
         # the start that needs it.
         with slot.send_lock:
