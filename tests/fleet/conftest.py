@@ -4,6 +4,7 @@ fail with the reason (they must never pass silently by skipping)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
@@ -13,9 +14,11 @@ from tests.fleet.hosts import Fleet, FleetError
 HOSTS = ("a", "b", "c", "d", "e")
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[Fleet]:
-    hosts = Fleet(HOSTS)
+@contextlib.contextmanager
+def started_fleet(names: tuple[str, ...]) -> Iterator[Fleet]:
+    """Hosts `names` on one switch, torn down on leaving; the test fails if they cannot be
+    built."""
+    hosts = Fleet(names)
     try:
         hosts.start()
     except FleetError as error:
@@ -24,3 +27,9 @@ def fleet() -> Iterator[Fleet]:
         yield hosts
     finally:
         hosts.close()
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    with started_fleet(HOSTS) as hosts:
+        yield hosts

@@ -17,7 +17,8 @@ from collections.abc import Iterator
 import pytest
 
 from tests.fault.helpers import tally_all
-from tests.fleet.hosts import Fleet, FleetError
+from tests.fleet.conftest import started_fleet
+from tests.fleet.hosts import Fleet
 from tests.fleet.many_readers import HOSTS, measure, run_readers
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # servers as subprocesses, in namespaces
@@ -29,15 +30,8 @@ BUDGET_RPS = 130  # 4 workers + 64 readers: readers at 498 ms, workers at 2.5 s
 
 @pytest.fixture(scope="module")
 def readers_fleet() -> Iterator[Fleet]:
-    hosts = Fleet(HOSTS)
-    try:
-        hosts.start()
-    except FleetError as error:
-        pytest.fail(f"cannot build the fleet of network namespaces: {error}", pytrace=False)
-    try:
+    with started_fleet(HOSTS) as hosts:
         yield hosts
-    finally:
-        hosts.close()
 
 
 @pytest.mark.timeout(300)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -124,33 +125,43 @@ def test_a_reader_of_a_pipeline_reports_at_the_interval_the_dispatcher_asks(
     assert 3 <= beats <= 7, beats
 
 
-@pytest.mark.timeout(120)
-def test_an_overloaded_dispatcher_refuses_and_its_readers_back_off_and_finish(
-        cluster_factory, caplog, monkeypatch) -> None:
-    cluster = cluster_factory(num_workers=2, max_pending_rpcs=2)
-    service = cluster.dispatcher._service  # noqa: SLF001 (introspection)
-    monkeypatch.setattr(rpc, "_overload_logged", False)
+def read_while_held(hold: Callable[[], None], target: str, job: str, caplog) -> list:
+    """3 readers share `job` while a thread calls `hold` (it keeps the dispatcher busy for a
+    while) every 0.15 s; rpc's warnings are captured."""
     stop = threading.Event()
 
     def busy() -> None:
-        """A long handler, now and then: it holds the dispatcher while requests arrive."""
         while not stop.is_set():
-            with service._lock:  # noqa: SLF001
-                service.cadence.admit("GetOrRegisterDataset")
-                try:
-                    time.sleep(0.15)
-                finally:
-                    service.cadence.done()
+            hold()
             time.sleep(0.15)
 
     hog = threading.Thread(target=busy, daemon=True)
     hog.start()
     try:
         with caplog.at_level(logging.WARNING, logger="torch_dataservice.rpc"):
-            parts = read_together(cluster.target, "overloaded", readers=3)
+            return read_together(target, job, readers=3)
     finally:
         stop.set()
         hog.join(5)
+
+
+@pytest.mark.timeout(120)
+def test_an_overloaded_dispatcher_refuses_and_its_readers_back_off_and_finish(
+        cluster_factory, caplog, monkeypatch) -> None:
+    cluster = cluster_factory(num_workers=2, max_pending_rpcs=2)
+    service = cluster.dispatcher._service  # noqa: SLF001 (introspection)
+    monkeypatch.setattr(rpc, "_overload_logged", False)
+
+    def long_handler() -> None:
+        """A long handler: it holds the dispatcher, admitted, while requests arrive."""
+        with service._lock:  # noqa: SLF001
+            service.cadence.admit("GetOrRegisterDataset")
+            try:
+                time.sleep(0.15)
+            finally:
+                service.cadence.done()
+
+    parts = read_while_held(long_handler, cluster.target, "overloaded", caplog)
     assert_exactly_once(parts)
     assert service.cadence.refused > 0
     refusals = [r for r in caplog.records if "over its capacity" in r.getMessage()]
@@ -225,22 +236,12 @@ def test_a_full_grpc_queue_is_refused_by_grpc_and_readers_back_off_and_finish(
     cluster = cluster_factory(num_workers=2, max_pending_rpcs=1000)
     service = cluster.dispatcher._service  # noqa: SLF001 (introspection)
     monkeypatch.setattr(rpc, "_overload_logged", False)
-    stop = threading.Event()
 
-    def busy() -> None:
-        while not stop.is_set():
-            with service._lock:  # noqa: SLF001
-                time.sleep(0.15)
+    def hold() -> None:
+        with service._lock:  # noqa: SLF001
             time.sleep(0.15)
 
-    hog = threading.Thread(target=busy, daemon=True)
-    hog.start()
-    try:
-        with caplog.at_level(logging.WARNING, logger="torch_dataservice.rpc"):
-            parts = read_together(cluster.target, "grpc-queue", readers=3)
-    finally:
-        stop.set()
-        hog.join(5)
+    parts = read_while_held(hold, cluster.target, "grpc-queue", caplog)
     assert_exactly_once(parts)
     assert service.cadence.refused == 0  # the handlers refused nothing: gRPC did
     refusals = [r.getMessage() for r in caplog.records if "over its capacity" in r.getMessage()]
