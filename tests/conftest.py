@@ -81,10 +81,20 @@ SERVER_FIXTURES = frozenset({
 })
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
+        item.add_marker(pytest.mark.xdist_group(_run_group(item)))
+
+
+def _run_group(item: pytest.Item) -> str:
+    """Under `make test`'s `-n 2 --dist loadgroup`, the tests of one group run in one process,
+    one after another: a module's (its module-scoped clusters start once), and every fleet
+    test's (tests/fleet/: a fleet takes gigabytes and both cores' worth of servers)."""
+    module = item.nodeid.split("::", 1)[0]
+    return "fleet" if module.startswith("tests/fleet/") else module
 
 
 def _refuse(what: str) -> Callable[..., Any]:
