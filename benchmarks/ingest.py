@@ -25,7 +25,8 @@ Groups (`--only`):
             protobuf pins clash with ours).
 
 Per case: images/s (from the first batch on), CPU-seconds per 1,000 images over every process
-(trainer, its children, the servers), time to the first batch, p50/p99 wait per batch, and the
+(trainer, its children, the servers), time to the first batch (from the loader's construction;
+the loader's module is imported before, as torch's is), p50/p99 wait per batch, and the
 share of the trainer's time spent waiting. Ratios are against torch's plain path in the same run.
 
     python benchmarks/ingest.py --quick                  # ~3 min
@@ -178,16 +179,19 @@ def run_case(case: Case, paths: list[str], epochs: int, step_ms: float,
     import image_ops
 
     cloudpickle.register_pickle_by_value(image_ops)  # CLI workers need not import it
+    # Imported before the clock, as torch's DataLoader is by `import torch`: a script imports
+    # its modules once at its start (`tds.DataLoader` is a lazy attribute of the package).
+    loader_class = torch.utils.data.DataLoader if case.loader == "torch" else tds.DataLoader
     dataset = JpegFiles(paths, case.fast)
     cpu0 = tree_cpu(os.getpid())
     start = time.perf_counter()
     if case.loader == "torch":
-        loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=True,
-                                             num_workers=case.num_workers)
+        loader = loader_class(dataset, batch_size=BATCH, shuffle=True,
+                              num_workers=case.num_workers)
     else:
-        loader = tds.DataLoader(dataset, batch_size=BATCH, shuffle=True,
-                                num_workers=case.num_workers, service=address,
-                                target_workers=case.target_workers)
+        loader = loader_class(dataset, batch_size=BATCH, shuffle=True,
+                              num_workers=case.num_workers, service=address,
+                              target_workers=case.target_workers)
     waits: list[float] = []
     first_batch = None
     images = 0
