@@ -378,7 +378,8 @@ def cache_epochs(paths: list[str], epochs: int, processes: int,
 
 # ----------------------------------------------------------------------------- kernels
 def kernel_costs(paths: list[str], count: int) -> dict[str, float]:
-    """CPU ms per image of decode + RandomResizedCrop(224) + flip on this core."""
+    """CPU ms per image of decode + RandomResizedCrop(224) + flip on one thread (torch's
+    intra-op threads too, as in DataLoader workers and executors)."""
     import image_ops
 
     blobs = []
@@ -394,13 +395,18 @@ def kernel_costs(paths: list[str], count: int) -> dict[str, float]:
         kernels.append(("simplejpeg_draft", image_ops.turbo_train_transform))
     except ImportError:
         print("(simplejpeg is not installed: no simplejpeg_draft row)")
-    for name, fn in kernels:
-        torch.manual_seed(0)
-        fn(blobs[0])
-        start = time.process_time()
-        for blob in blobs:
-            fn(blob)
-        costs[name] = 1000 * (time.process_time() - start) / len(blobs)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name, fn in kernels:
+            torch.manual_seed(0)
+            fn(blobs[0])
+            start = time.process_time()
+            for blob in blobs:
+                fn(blob)
+            costs[name] = 1000 * (time.process_time() - start) / len(blobs)
+    finally:
+        torch.set_num_threads(threads)
     return costs
 
 
