@@ -25,7 +25,8 @@ Groups (`--only`):
             protobuf pins clash with ours).
 
 Per case: images/s (from the first batch on), CPU-seconds per 1,000 images over every process
-(trainer, its children, the servers), time to the first batch, p50/p99 wait per batch, and the
+(trainer, its children, the servers), time to the first batch (from the loader's construction;
+the loader's module is imported before, as torch's is), p50/p99 wait per batch, and the
 share of the trainer's time spent waiting. Ratios are against torch's plain path in the same run.
 
     python benchmarks/ingest.py --quick                  # ~3 min
@@ -37,6 +38,7 @@ share of the trainer's time spent waiting. Ratios are against torch's plain path
 from __future__ import annotations
 
 import argparse
+import compileall
 import contextlib
 import io
 import json
@@ -178,16 +180,19 @@ def run_case(case: Case, paths: list[str], epochs: int, step_ms: float,
     import image_ops
 
     cloudpickle.register_pickle_by_value(image_ops)  # CLI workers need not import it
+    # Imported before the clock, as torch's DataLoader is by `import torch`: a script imports
+    # its modules once at its start (`tds.DataLoader` is a lazy attribute of the package).
+    loader_class = torch.utils.data.DataLoader if case.loader == "torch" else tds.DataLoader
     dataset = JpegFiles(paths, case.fast)
     cpu0 = tree_cpu(os.getpid())
     start = time.perf_counter()
     if case.loader == "torch":
-        loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=True,
-                                             num_workers=case.num_workers)
+        loader = loader_class(dataset, batch_size=BATCH, shuffle=True,
+                              num_workers=case.num_workers)
     else:
-        loader = tds.DataLoader(dataset, batch_size=BATCH, shuffle=True,
-                                num_workers=case.num_workers, service=address,
-                                target_workers=case.target_workers)
+        loader = loader_class(dataset, batch_size=BATCH, shuffle=True,
+                              num_workers=case.num_workers, service=address,
+                              target_workers=case.target_workers)
     waits: list[float] = []
     first_batch = None
     images = 0
@@ -374,7 +379,8 @@ def cache_epochs(paths: list[str], epochs: int, processes: int,
 
 # ----------------------------------------------------------------------------- kernels
 def kernel_costs(paths: list[str], count: int) -> dict[str, float]:
-    """CPU ms per image of decode + RandomResizedCrop(224) + flip on this core."""
+    """CPU ms per image of decode + RandomResizedCrop(224) + flip on one thread (torch's
+    intra-op threads too, as in DataLoader workers and executors)."""
     import image_ops
 
     blobs = []
@@ -390,13 +396,18 @@ def kernel_costs(paths: list[str], count: int) -> dict[str, float]:
         kernels.append(("simplejpeg_draft", image_ops.turbo_train_transform))
     except ImportError:
         print("(simplejpeg is not installed: no simplejpeg_draft row)")
-    for name, fn in kernels:
-        torch.manual_seed(0)
-        fn(blobs[0])
-        start = time.process_time()
-        for blob in blobs:
-            fn(blob)
-        costs[name] = 1000 * (time.process_time() - start) / len(blobs)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name, fn in kernels:
+            torch.manual_seed(0)
+            fn(blobs[0])
+            start = time.process_time()
+            for blob in blobs:
+                fn(blob)
+            costs[name] = 1000 * (time.process_time() - start) / len(blobs)
+    finally:
+        torch.set_num_threads(threads)
     return costs
 
 
@@ -530,6 +541,12 @@ def main() -> None:
         case = Case(**json.loads(args.case))
         print(json.dumps(run_case(case, paths, args.epochs, args.step_ms, args.address)))
         return
+    # Bytecode for the package, as an installed one has it (pip compiles at install): under
+    # PYTHONDONTWRITEBYTECODE every case's processes (the trainer, the embedded service)
+    # would compile its modules from source again within the time to the first batch, which
+    # torch's DataLoader, from site-packages, never does.
+    compileall.compile_dir(os.path.join(ROOT, "torch_dataservice"), quiet=1)
+    compileall.compile_dir(EXAMPLES, quiet=1)
 
     cores = len(os.sched_getaffinity(0))
     print(f"{args.images} JPEGs ({sum(os.path.getsize(p) for p in paths) / len(paths) / 1e3:.0f}"

@@ -51,6 +51,22 @@ def test_the_draft_path_draws_the_same_crop_as_the_full_decode() -> None:
         assert (full.float() - fast.float()).abs().mean() < 6, seed
 
 
+@pytest.mark.parametrize("size", [(1600, 1000), (1000, 1600), (480, 320)])
+def test_the_simplejpeg_path_draws_the_same_crop_as_the_full_decode(size) -> None:
+    """Landscape and portrait (its header gives height first), at 1/2..1/8 scale and at
+    full scale."""
+    pytest.importorskip("simplejpeg")
+    data = jpeg(*size)
+    for seed in range(8):
+        torch.manual_seed(seed)
+        full = image_ops.train_transform(data)
+        torch.manual_seed(seed)
+        turbo = image_ops.turbo_train_transform(data)
+        assert turbo.shape == (3, 224, 224) and turbo.dtype == torch.uint8
+        assert turbo.is_contiguous()
+        assert (full.float() - turbo.float()).abs().mean() < 6, seed
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_ingest_runs_a_case_and_prints_its_table(tmp_path: Path) -> None:

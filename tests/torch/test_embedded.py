@@ -159,3 +159,29 @@ def test_a_killed_service_is_started_again_for_the_next_epoch(tmp_path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "ok"
     assert "exited; starting another" in result.stderr
+
+
+EARLY_SCRIPT = """
+    import torch
+    import torch_dataservice as tds
+    from torch_dataservice.torch import embedded
+
+    if __name__ == "__main__":
+        loader = tds.DataLoader(list(range(16)), batch_size=4, num_workers=2)
+        service = embedded._service
+        assert service is not None, "no service started when the loader was built"
+        assert service.target is None  # not waited for: the script goes on meanwhile
+        assert sum(len(batch) for batch in loader) == 16
+        assert embedded._service is service and service.target is not None
+        print("ok")
+"""
+
+
+def test_the_service_starts_when_the_first_loader_is_built_and_is_waited_for_at_its_use(
+        tmp_path) -> None:
+    """Its start (a few hundred milliseconds) overlaps the script's work before the first
+    epoch, instead of delaying the first batch; the first epoch reads from that service."""
+    result = run(tmp_path, EARLY_SCRIPT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "ok"
+    assert result.stderr == ""

@@ -162,13 +162,13 @@ class DataLoader(torch.utils.data.DataLoader):
         self._tds_split = (self._tds_ranks.distributed and not self._tds_iterable
                            and not sampling.splits_by_rank(self))
         service, embedded_service = embedded.resolve(service)
-        if embedded_service:
-            embedded.prepare()
         if self._tds_iterable and self._tds_ranks.distributed and embedded_service:
             raise ValueError(
                 "under torch.distributed an iterable dataset or Pipeline is read as one job "
                 "shared by all ranks, which needs one service for all of them: pass "
                 "service='grpc://HOST:PORT' or set TORCH_DATASERVICE_ADDRESS")
+        if embedded_service:
+            embedded.prepare()
         self._tds_registrar = Registrar(
             service, embedded_service, options.policy, job_name, compression,
             max_outstanding_requests, self._tds_ranks, self._tds_even != UNEVEN,

@@ -1,9 +1,9 @@
 """Which service a DataLoader reads from, and the one started for this process if none is given.
 
 `service=None` reads `TORCH_DATASERVICE_ADDRESS`; if that is unset too, a dispatcher and one
-worker (on loopback only) start the first time a loader needs them, in a process of their own
-(the embedded service), and stop when this process exits; if it dies, they see their
-connection close and stop. The switch to a shared fleet is one line:
+worker (on loopback only) start when the first loader is built (or first needs them), in a
+process of their own (the embedded service), and stop when this process exits; if it dies,
+they see their connection close and stop. The switch to a shared fleet is one line:
 `export TORCH_DATASERVICE_ADDRESS=HOST:PORT` (or `service="grpc://HOST:PORT"`).
 
 Why not in this process: a gRPC server always has a thread inside gRPC, so at every fork of a
@@ -17,7 +17,10 @@ The service process is forked from this process's executor fork server (worker/l
 torch imported, no gRPC, forked from the training script when its first loader is built), or
 is a fresh interpreter where forking is off; it forks a fork server of its own for its
 worker's executors before it starts gRPC. Its readers reach the worker's data port on its Unix
-socket.
+socket. Where that fork server could be forked, the service is forked from it at once, when the
+first loader is built, and waited for only when a loader first needs it: its start (imports,
+servers, executors: a few hundred milliseconds) overlaps what the script does before its first
+epoch (building the model, loading a checkpoint) instead of delaying the first batch.
 
 Under torchrun every rank starts its own embedded service, with the host's cores divided among
 the local ranks: no rank depends on another's lifetime.
@@ -55,7 +58,7 @@ class _Service:
 
     process: Any  # launch.ExecutorProcess
     conn: Connection
-    target: str
+    target: str | None = None  # None until the service said it serves (_wait_ready)
 
 
 _lock = threading.Lock()
@@ -73,36 +76,46 @@ def resolve(service: object) -> tuple[object, bool]:
 
 
 def embedded_target() -> str:
-    """`grpc://HOST:PORT` of this process's embedded dispatcher, started on first call (and
-    again if it exited)."""
+    """`grpc://HOST:PORT` of this process's embedded dispatcher, once it serves: started on
+    first call unless `prepare` started it (and again if it exited after serving)."""
     global _service
     with _lock:
-        if _service is not None and _service.process.wait(0):
+        if _service is not None and _service.target is not None and _service.process.wait(0):
             # Killed (the OOM killer?): the epochs under way are lost, the next ones need not be.
             logger.warning("the embedded service (pid %d) exited; starting another",
                            _service.process.pid)
             _service.conn.close()
             _service = None
         if _service is None:
-            _service = _start()
-            atexit.unregister(shutdown)  # once, however many it started
-            atexit.register(shutdown)
+            _service = _launch()
+        if _service.target is None:
+            try:
+                _service.target = _wait_ready(_service.conn, _service.process.pid)
+            except BaseException:
+                service, _service = _service, None
+                service.conn.close()
+                service.process.kill()
+                service.process.wait(5)
+                raise
         return _service.target
 
 
 def prepare() -> None:
-    """Start this process's executor fork server now if this process can simply fork it
-    (worker/launch.py: no other thread runs yet, as when a training script builds its first
-    loader); the embedded service process is forked from it. Otherwise it starts when the
-    service does, as a fresh interpreter that imports torch: the first batch then waits."""
+    """When a loader is built: start this process's executor fork server if this process can
+    simply fork it (worker/launch.py: no other thread runs yet, as when a training script
+    builds its first loader), and fork the service from it now, without waiting for it
+    (module docstring). Otherwise both start when a loader first needs the service, the fork
+    server as a fresh interpreter that imports torch: the first batch then waits."""
     from torch_dataservice.worker import launch
 
+    global _service
     with _lock:
-        if _service is None:
-            launch.start_fork_server_here(after_torch_ops=True)
+        if _service is None and launch.start_fork_server_here(after_torch_ops=True):
+            _service = _launch()
 
 
-def _start() -> _Service:
+def _launch() -> _Service:
+    """Start the service process (with _lock held); it says when it serves (_wait_ready)."""
     from torch_dataservice.worker import launch
 
     launch.start_fork_server_here(after_torch_ops=True)  # before gRPC runs (see prepare)
@@ -122,14 +135,9 @@ def _start() -> _Service:
         except BaseException:
             ours.close()
             raise
-    conn = Connection(ours.detach())
-    try:
-        return _Service(process, conn, _wait_ready(conn, process.pid))
-    except BaseException:
-        conn.close()
-        process.kill()
-        process.wait(5)
-        raise
+    atexit.unregister(shutdown)  # once, however many it started
+    atexit.register(shutdown)
+    return _Service(process, Connection(ours.detach()))
 
 
 def _wait_ready(conn: Connection, pid: int) -> str:
