@@ -5,7 +5,9 @@ STAMP := $(VENV)/.installed
 # The CPU build of this torch is what the machines provide; an unpinned torch would pull the
 # registry's newest build with several GB of CUDA packages.
 TORCH_SPEC ?= torch==2.13.0
-# The suite runs in two processes (pytest-xdist): most of its time is tests waiting on servers,
+# The suite starts hundreds of interpreters: the package's bytecode is compiled once first (an
+# editable install compiles nothing, and PYTHONDONTWRITEBYTECODE may forbid caching it).
+# It runs in two processes (pytest-xdist): most of its time is tests waiting on servers,
 # not computing, so two at once fit two cores. A module, and the fleet tests, stay in one.
 TEST_PROCS ?= 2
 SYSTEM_PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
@@ -24,6 +26,7 @@ run: setup
 	$(PY) examples/quickstart.py
 
 test: setup
+	$(PY) -m compileall -q torch_dataservice tests benchmarks examples > /dev/null
 	$(PY) -m pytest -q -n $(TEST_PROCS) --dist loadgroup
 
 lint: setup
