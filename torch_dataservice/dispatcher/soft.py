@@ -31,6 +31,9 @@ class SoftState:
     client_heartbeat: dict[int, int] = field(default_factory=dict)
     requeued_at: dict[int, int] = field(default_factory=dict)
     requeued_time: dict[int, float] = field(default_factory=dict)
+    # ... and the iterations whose last requeue was found ready (every client reported): it
+    # stays so until the next requeue, so GetSplit does not ask every client again per split.
+    requeue_ready: set[int] = field(default_factory=set)
     # The lost tasks each client fenced (accepts nothing from any more): a zombie worker's
     # splits are handed again only once every client fenced its tasks. Clients resend it.
     client_fenced: dict[int, frozenset[int]] = field(default_factory=dict)
@@ -104,6 +107,7 @@ class SoftState:
             return
         self.requeued_at[iteration_id] = self.heartbeats
         self.requeued_time[iteration_id] = now
+        self.requeue_ready.discard(iteration_id)
 
     def note_silent(self, client_id: int, iteration_id: int) -> None:
         self.silent_clients.add(client_id)
