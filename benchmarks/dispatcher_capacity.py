@@ -242,7 +242,9 @@ class Sim:
             await asyncio.sleep(0.5)
         client_id = response.client_id
         joined.set_result(None)
-        await asyncio.sleep(random.random() * CLIENT_HEARTBEAT_S)
+        # The join reply's interval (a big fleet's readers start stretched), as a reader's.
+        interval = response.next_heartbeat_ms / 1000 or CLIENT_HEARTBEAT_S
+        await asyncio.sleep(random.random() * interval)
         tasks_version = 0
         while True:
             began = time.monotonic()
@@ -256,7 +258,6 @@ class Sim:
                                      split=common_pb2.SplitKey(repetition=0, index=index),
                                      offset_ranges=(0, SPLIT_SIZE))
             reply = await self.call("client_heartbeat", stub.ClientHeartbeat, request)
-            interval = CLIENT_HEARTBEAT_S
             if reply is not None:
                 tasks_version = reply.tasks_version
                 interval = reply.next_heartbeat_ms / 1000 or CLIENT_HEARTBEAT_S

@@ -58,6 +58,10 @@ def test_the_reply_tells_an_interval_that_grows_with_the_population() -> None:
                                             None).next_heartbeat_ms
         asked.append((worker_ms, client_ms))
     assert asked[0] == (0, 0)  # 10 + 10: today's intervals, today's reaction
+    # A reader joining a big fleet starts at the stretched interval, not at 100 ms: thousands
+    # joining at once do not all beat at the default until their first reply.
+    joined = service.GetOrCreateIteration(pb.GetOrCreateIterationRequest(job_id=job_id), None)
+    assert joined.next_heartbeat_ms == asked[2][1]
     assert 0 < asked[1][0] < asked[2][0] and 0 < asked[1][1] < asked[2][1]
     load = service.cluster_status().load
     assert (load.worker_heartbeat_ms, load.client_heartbeat_ms) == asked[2]

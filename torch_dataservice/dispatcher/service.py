@@ -191,7 +191,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         self._pusher.push(pushes)
         return dispatcher_pb2.GetOrCreateIterationResponse(
             iteration_id=iteration_id, client_id=client_id, repetition=repetition,
-            created=new)
+            created=new, next_heartbeat_ms=self._cadence.client_ms)
 
     # ------------------------------------------------------------------ clients
     @admitted
