@@ -66,6 +66,7 @@ WORKER_HEARTBEAT_S = 0.5  # WorkerConfig.effective_heartbeat_interval_ms default
 CLIENT_HEARTBEAT_S = 0.1  # client/membership.py HEARTBEAT_INTERVAL_S
 FEED_REPLICA = 1 << 20  # worker/task_state.py: the replica id a task's split stock uses
 SPLIT_SIZE = 10
+RETRY_BACKOFF_S = (0.05, 1.0)  # rpc.retry's first and longest backoff: a worker's GetSplit
 # The shared job's dataset: far more splits than any window hands out, so no epoch ends and
 # every task's stock has its full depth (WorkerConfig.split_prefetch, 64).
 DATASET_ELEMENTS = 10**12
@@ -142,6 +143,7 @@ class Sim:
         uid = random.getrandbits(62)
         tasks: dict[int, asyncio.Task] = {}
         await asyncio.sleep(random.random() * WORKER_HEARTBEAT_S)
+        interval = WORKER_HEARTBEAT_S  # kept after an error, as a worker does
         while True:
             began = time.monotonic()
             response = await self.call("worker_heartbeat", stub.WorkerHeartbeat,
@@ -149,7 +151,6 @@ class Sim:
                                            worker_address=address, worker_uid=uid,
                                            current_tasks=list(tasks), host_id="sim",
                                            process_id=f"sim-{self.index}-{i}"))
-            interval = WORKER_HEARTBEAT_S
             if response is not None:
                 interval = response.next_heartbeat_ms / 1000 or WORKER_HEARTBEAT_S
                 self.worker_interval_s = interval
@@ -179,12 +180,15 @@ class Sim:
         interval = 1 / self.split_rate
 
         async def fetch(request: FetchSplits) -> None:
-            response = None
+            response, backoff = None, RETRY_BACKOFF_S[0]
             while response is None:  # a refused or failed request goes again, the same
+                refusals = len(self.refusals)
                 response = await self.call("get_split", stub.GetSplit, self._split_request(
                     task, request, min(request.max_splits, self.max_per_ask)))
-                if response is None:
-                    await asyncio.sleep(0.05 * (0.5 + random.random()))
+                if response is None and len(self.refusals) == refusals:  # not refused:
+                    # rpc.retry's jittered exponential backoff (a refusal waited its hint)
+                    await asyncio.sleep(backoff * (0.5 + random.random()))
+                    backoff = min(2 * backoff, RETRY_BACKOFF_S[1])
             got = [] if response.end_of_splits else [response, *response.following]
             self.asked.append((time.time(), len(got)))
             stock.fetched(request.repetition, [HandedSplit(SplitKey(s.repetition, s.split_index))
