@@ -23,8 +23,9 @@ The population grows step by step (`--workers` and `--clients`, paired lists); e
 `--seconds` after a ramp, and per step we read the dispatcher's CPU from /proc/PID/stat over
 the window (cores = CPU seconds / wall seconds), the simulators' own CPU apart, the GetSplit
 latency of the answered requests (p50/p99, seen by the stubs, beside the simulators' own
-event-loop lag), the RPCs answered and refused against those offered (GetSplit at its fixed
-rate; heartbeats: every attempt, at the intervals in force, which move during a window).
+event-loop lag), the RPCs answered and refused against those offered (GetSplit: the requests
+the stocks made, a retry of one not counted again; heartbeats: every attempt, at the
+intervals in force, which move during a window; `attempted_rps` counts every attempt).
 
 Baseline, same run: the offered load itself (achieved/offered) and the budget of a core.
 "sustains" = the dispatcher used <= 1 core and answered >= 95% of the offered RPCs. The
@@ -87,6 +88,7 @@ class Sim:
         self.address, self.index, self.split_rate = address, index, split_rate
         self.max_per_ask, self.stock_depth = max_per_ask, STOCK_DEPTH
         self.asked: deque[tuple[float, int]] = deque()  # (time, splits one GetSplit got)
+        self.fetches: deque[float] = deque()  # when each GetSplit was first sent
         self.events: deque[tuple[float, str, float]] = deque()  # (end time, kind, latency)
         self.errors: deque[tuple[float, str]] = deque()
         self.refusals: deque[tuple[float, str]] = deque()  # RESOURCE_EXHAUSTED + retry-after
@@ -181,6 +183,7 @@ class Sim:
 
         async def fetch(request: FetchSplits) -> None:
             response, backoff = None, RETRY_BACKOFF_S[0]
+            self.fetches.append(time.time())
             while response is None:  # a refused or failed request goes again, the same
                 refusals = len(self.refusals)
                 response = await self.call("get_split", stub.GetSplit, self._split_request(
@@ -305,6 +308,7 @@ class Sim:
         errors = [kind for end, kind in self.errors if t0 <= end <= t1]
         return {"counts": counts, "split_latencies": latencies, "errors": errors,
                 "splits": [n for t, n in self.asked if t0 <= t <= t1],
+                "fetches": sum(t0 <= t <= t1 for t in self.fetches),
                 "refused": [kind for t, kind in self.refusals if t0 <= t <= t1],
                 "lags": [lag for t, lag in self.lags if t0 <= t <= t1],
                 "cpu_s": time.process_time(),
@@ -438,6 +442,7 @@ class Row:
     sim_cores: float  # the simulators' own, apart
     rss_mb: float
     offered_rps: float  # at the intervals in force
+    attempted_rps: float  # retries too
     achieved_rps: float  # answered
     refused_rps: float  # RESOURCE_EXHAUSTED with a retry-after
     split_rps: float  # GetSplit requests answered
@@ -507,16 +512,19 @@ def run_mode(mode: str, sizes: list[tuple[int, int]], seconds: float, ramp: floa
                 log(f"  {mode}: errors {sorted(error_kinds.items(), key=lambda e: -e[1])[:3]}")
             worker_s = max(s["intervals"][0] for s in stats)
             client_s = max(s["intervals"][1] for s in stats)
-            # Offered: every attempt made (answered, refused or failed), as the stocks and the
-            # intervals in force (which move during a window) made them.
+            # Offered: the GetSplit requests the stocks made, and every heartbeat attempt at
+            # the intervals in force (which move during a window). Attempted: every attempt,
+            # answered, refused or failed, retries too.
             kinds = ("worker_heartbeat", "get_split", "client_heartbeat")
-            offered = (sum(counts.get(k, 0) for k in kinds) + sum(k in kinds for k in refused)
-                       + sum(n for k, n in error_kinds.items() if k.split(":")[0] in kinds)
-                       ) / wall
+            attempts = {k: counts.get(k, 0) + sum(r == k for r in refused) + sum(
+                n for e, n in error_kinds.items() if e.split(":")[0] == k) for k in kinds}
+            offered = (attempts["worker_heartbeat"] + attempts["client_heartbeat"]
+                       + sum(s["fetches"] for s in stats)) / wall
             achieved = sum(counts.get(k, 0) for k in kinds) / wall
             row = Row(mode, workers, clients, wall, (cpu1 - cpu0) / wall,
                       (sum(s["cpu_s"] for s in stats) - sim_cpu0) / wall,
-                      dispatcher.rss_mb(), offered, achieved, len(refused) / wall,
+                      dispatcher.rss_mb(), offered, sum(attempts.values()) / wall, achieved,
+                      len(refused) / wall,
                       counts.get("get_split", 0) / wall,
                       sum(granted) / len(granted) if granted else float("nan"),
                       1000 * percentile(latencies, 0.5), 1000 * percentile(latencies, 0.99),
@@ -526,7 +534,8 @@ def run_mode(mode: str, sizes: list[tuple[int, int]], seconds: float, ramp: floa
                 f"{row.cores:.2f} cores (simulators {row.sim_cores:.2f}), "
                 f"GetSplit p50 {row.split_p50_ms:.1f} ms p99 {row.split_p99_ms:.1f} ms "
                 f"({row.splits_per_ask:.1f} splits each), "
-                f"RPCs {achieved:,.0f}/{offered:,.0f} per s, refused {row.refused_rps:,.0f}/s, "
+                f"RPCs {achieved:,.0f}/{offered:,.0f} per s ({row.attempted_rps:,.0f} "
+                f"attempts), refused {row.refused_rps:,.0f}/s, "
                 f"intervals {row.worker_interval_ms:.0f}/{row.client_interval_ms:.0f} ms, "
                 f"simulator loop lag p99 {row.sim_lag_p99_ms:.0f} ms")
             if row.cores > stop_cores:
