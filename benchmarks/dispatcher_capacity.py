@@ -7,11 +7,13 @@ asyncio) spread over `--procs` processes, doing what the real ones do at the int
 dispatcher asks for in its replies (dispatcher/cadence.py; the defaults while it asks none),
 and backing off as its RESOURCE_EXHAUSTED refusals ask:
   - a worker heartbeats (default every 500 ms, WorkerConfig.effective_heartbeat_interval_ms),
-    listing its tasks, and each of its tasks asks for DYNAMIC splits with `GetSplit` at
-    `--split-rate` splits/s (a split of 10 elements of a 10 ms read on a single-process worker
-    is 10/s; 256-element splits of 8 processes at 10 ms are ~3/s), reporting the split it
-    finished in the next request, as a task's split stock (worker/task_state.py) does when
-    it is one split;
+    listing its tasks, and each of its tasks consumes `--split-rate` DYNAMIC splits/s (a split
+    of 10 elements of a 10 ms read on a single-process worker is 10/s; 256-element splits of 8
+    processes at 10 ms are ~3/s) from a split stock that is the worker's own (SplitStock,
+    worker/task_state.py: it refills at half its target, all that is missing in one GetSplit,
+    reporting the splits finished; its target covers twice a GetSplit's latency, so a slow
+    dispatcher is asked for more splits per request). `--max-splits-per-ask 1` caps every
+    request at one split: the old, pessimistic model of one GetSplit per split;
   - a client joins the job's iteration (GetOrCreateIteration) and heartbeats (default every
     100 ms, client/membership.py HEARTBEAT_INTERVAL_S), acknowledging as offset ranges the
     splits handed out (exactly-once bookkeeping), and naming the task list it holds, as a
@@ -21,8 +23,9 @@ The population grows step by step (`--workers` and `--clients`, paired lists); e
 `--seconds` after a ramp, and per step we read the dispatcher's CPU from /proc/PID/stat over
 the window (cores = CPU seconds / wall seconds), the simulators' own CPU apart, the GetSplit
 latency of the answered requests (p50/p99, seen by the stubs, beside the simulators' own
-event-loop lag), the RPCs answered and refused against those offered (GetSplit at its fixed
-rate; heartbeats: every attempt, at the intervals in force, which move during a window).
+event-loop lag), the RPCs answered and refused against those offered (GetSplit: the requests
+the stocks made, a retry of one not counted again; heartbeats: every attempt, at the
+intervals in force, which move during a window; `attempted_rps` counts every attempt).
 
 Baseline, same run: the offered load itself (achieved/offered) and the budget of a core.
 "sustains" = the dispatcher used <= 1 core and answered >= 95% of the offered RPCs. The
@@ -39,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -49,13 +53,26 @@ import tempfile
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from _common import spawn_server, stop_servers
+
+from torch_dataservice.config import WorkerConfig
+from torch_dataservice.worker.task_state import stock_depth
+
+if TYPE_CHECKING:
+    from torch_dataservice.worker.task_state import FetchSplits
 
 WORKER_HEARTBEAT_S = 0.5  # WorkerConfig.effective_heartbeat_interval_ms default
 CLIENT_HEARTBEAT_S = 0.1  # client/membership.py HEARTBEAT_INTERVAL_S
 FEED_REPLICA = 1 << 20  # worker/task_state.py: the replica id a task's split stock uses
 SPLIT_SIZE = 10
+RETRY_BACKOFF_S = (0.05, 1.0)  # rpc.retry's first and longest backoff: a worker's GetSplit
+# The shared job's dataset: far more splits than any window hands out, so no epoch ends and
+# every task's stock has its full depth (WorkerConfig.split_prefetch, 64).
+DATASET_ELEMENTS = 10**12
+NUM_SPLITS = DATASET_ELEMENTS // SPLIT_SIZE
+STOCK_DEPTH = stock_depth(WorkerConfig.split_prefetch, NUM_SPLITS)
 PEERS_PER_CHANNEL = 10  # simulated peers sharing one HTTP/2 connection
 BUDGET_CORES = 1.0
 GROW_TIMEOUT_S = 300  # default --grow-timeout: thousands of peers join while some are refused
@@ -67,8 +84,11 @@ GROW_TIMEOUT_S = 300  # default --grow-timeout: thousands of peers join while so
 class Sim:
     """One simulator process: some workers and clients, on asyncio stubs."""
 
-    def __init__(self, address: str, index: int, split_rate: float) -> None:
+    def __init__(self, address: str, index: int, split_rate: float, max_per_ask: int) -> None:
         self.address, self.index, self.split_rate = address, index, split_rate
+        self.max_per_ask, self.stock_depth = max_per_ask, STOCK_DEPTH
+        self.asked: deque[tuple[float, int]] = deque()  # (time, splits one GetSplit got)
+        self.fetches: deque[float] = deque()  # when each GetSplit was first sent
         self.events: deque[tuple[float, str, float]] = deque()  # (end time, kind, latency)
         self.errors: deque[tuple[float, str]] = deque()
         self.refusals: deque[tuple[float, str]] = deque()  # RESOURCE_EXHAUSTED + retry-after
@@ -125,6 +145,7 @@ class Sim:
         uid = random.getrandbits(62)
         tasks: dict[int, asyncio.Task] = {}
         await asyncio.sleep(random.random() * WORKER_HEARTBEAT_S)
+        interval = WORKER_HEARTBEAT_S  # kept after an error, as a worker does
         while True:
             began = time.monotonic()
             response = await self.call("worker_heartbeat", stub.WorkerHeartbeat,
@@ -132,7 +153,6 @@ class Sim:
                                            worker_address=address, worker_uid=uid,
                                            current_tasks=list(tasks), host_id="sim",
                                            process_id=f"sim-{self.index}-{i}"))
-            interval = WORKER_HEARTBEAT_S
             if response is not None:
                 interval = response.next_heartbeat_ms / 1000 or WORKER_HEARTBEAT_S
                 self.worker_interval_s = interval
@@ -148,30 +168,73 @@ class Sim:
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - began)))
 
     async def split_loop(self, stub, task) -> None:
-        from torch_dataservice.proto import common_pb2, dispatcher_pb2
+        """One task: a reader of its splits takes one every 1/split_rate s from a split stock
+        run by the worker's own SplitStock (worker/task_state.py), which asks the dispatcher
+        for what it misses, reporting the splits finished, one GetSplit in flight at a time.
+        `max_per_ask` caps a request (1: the old model, one GetSplit per split)."""
+        from torch_dataservice.wire.splits import HandedSplit, SplitKey
+        from torch_dataservice.worker.messages import FinishedSplit
+        from torch_dataservice.worker.task_state import SplitStock, _Waiter
 
+        stock = SplitStock(self.stock_depth)
+        arrived = asyncio.Event()
+        taken: deque[HandedSplit] = deque()
         interval = 1 / self.split_rate
-        request_id, finished = 0, None
+
+        async def fetch(request: FetchSplits) -> None:
+            response, backoff = None, RETRY_BACKOFF_S[0]
+            self.fetches.append(time.time())
+            while response is None:  # a refused or failed request goes again, the same
+                refusals = len(self.refusals)
+                response = await self.call("get_split", stub.GetSplit, self._split_request(
+                    task, request, min(request.max_splits, self.max_per_ask)))
+                if response is None and len(self.refusals) == refusals:  # not refused:
+                    # rpc.retry's jittered exponential backoff (a refusal waited its hint)
+                    await asyncio.sleep(backoff * (0.5 + random.random()))
+                    backoff = min(2 * backoff, RETRY_BACKOFF_S[1])
+            got = [] if response.end_of_splits else [response, *response.following]
+            self.asked.append((time.time(), len(got)))
+            stock.fetched(request.repetition, [HandedSplit(SplitKey(s.repetition, s.split_index))
+                                              for s in got], None, now=time.monotonic())
+            pump()
+
+        def pump() -> None:
+            answered, _, request = stock.answer_waiters(time.monotonic())
+            for _, splits in answered:
+                taken.extend(split for _, split in splits)
+            if answered:
+                arrived.set()
+            if request is not None:
+                self.coroutines.append(asyncio.ensure_future(fetch(request)))
+
+        finished = None
         due = time.monotonic() + random.random() * interval
-        while True:
+        for number in itertools.count():
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             due = max(due + interval, time.monotonic())  # behind: no burst to catch up
-            request_id += 1
-            request = dispatcher_pb2.GetSplitRequest(
-                iteration_id=task.iteration_id, repetition=0, task_id=task.task_id,
-                replica=FEED_REPLICA, request_id=request_id, max_splits=1)
-            if finished is not None:
-                request.finished_splits.add(
-                    split=common_pb2.SplitKey(repetition=0, index=finished),
-                    elements=SPLIT_SIZE)
-            response = await self.call("get_split", stub.GetSplit, request)
-            if response is None:
-                request_id -= 1  # retried as the same request next time
-                continue
-            if response.end_of_splits:
-                return
-            finished = response.split_index
-            self.received.append((task.task_id, response.split_index))
+            arrived.clear()
+            stock.ask(_Waiter(0, number, 0, 1), finished, time.monotonic())
+            pump()
+            while not taken:
+                await arrived.wait()
+                arrived.clear()
+            split = taken.popleft()
+            self.received.append((task.task_id, split.key.index))
+            finished = FinishedSplit(split.key.repetition, split.key.index, SPLIT_SIZE)
+
+    @staticmethod
+    def _split_request(task, request: FetchSplits, max_splits: int):
+        from torch_dataservice.proto import common_pb2, dispatcher_pb2
+
+        message = dispatcher_pb2.GetSplitRequest(
+            iteration_id=task.iteration_id, repetition=request.repetition,
+            task_id=task.task_id, replica=FEED_REPLICA, request_id=request.request_id + 1,
+            max_splits=max_splits)
+        for done in request.finished:
+            message.finished_splits.add(
+                split=common_pb2.SplitKey(repetition=done.repetition, index=done.index),
+                elements=done.elements)
+        return message
 
     async def client(self, joined: asyncio.Future) -> None:
         from torch_dataservice.proto import common_pb2, dispatcher_pb2
@@ -186,7 +249,9 @@ class Sim:
             await asyncio.sleep(0.5)
         client_id = response.client_id
         joined.set_result(None)
-        await asyncio.sleep(random.random() * CLIENT_HEARTBEAT_S)
+        # The join reply's interval (a big fleet's readers start stretched), as a reader's.
+        interval = response.next_heartbeat_ms / 1000 or CLIENT_HEARTBEAT_S
+        await asyncio.sleep(random.random() * interval)
         tasks_version = 0
         while True:
             began = time.monotonic()
@@ -200,7 +265,6 @@ class Sim:
                                      split=common_pb2.SplitKey(repetition=0, index=index),
                                      offset_ranges=(0, SPLIT_SIZE))
             reply = await self.call("client_heartbeat", stub.ClientHeartbeat, request)
-            interval = CLIENT_HEARTBEAT_S
             if reply is not None:
                 tasks_version = reply.tasks_version
                 interval = reply.next_heartbeat_ms / 1000 or CLIENT_HEARTBEAT_S
@@ -243,14 +307,16 @@ class Sim:
                     latencies.append(latency)
         errors = [kind for end, kind in self.errors if t0 <= end <= t1]
         return {"counts": counts, "split_latencies": latencies, "errors": errors,
+                "splits": [n for t, n in self.asked if t0 <= t <= t1],
+                "fetches": sum(t0 <= t <= t1 for t in self.fetches),
                 "refused": [kind for t, kind in self.refusals if t0 <= t <= t1],
                 "lags": [lag for t, lag in self.lags if t0 <= t <= t1],
                 "cpu_s": time.process_time(),
                 "intervals": (self.worker_interval_s, self.client_interval_s)}
 
 
-def _sim_main(address: str, index: int, split_rate: float, conn) -> None:
-    asyncio.run(_sim_loop(Sim(address, index, split_rate), conn))
+def _sim_main(address: str, index: int, split_rate: float, max_per_ask: int, conn) -> None:
+    asyncio.run(_sim_loop(Sim(address, index, split_rate, max_per_ask), conn))
 
 
 async def _sim_loop(sim: Sim, conn) -> None:
@@ -277,13 +343,13 @@ async def _sim_loop(sim: Sim, conn) -> None:
 
 
 class Sims:
-    def __init__(self, address: str, n: int, split_rate: float) -> None:
+    def __init__(self, address: str, n: int, split_rate: float, max_per_ask: int) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conns, self.procs = [], []
         for i in range(n):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_sim_main, args=(address, i, split_rate, child),
-                               daemon=True)
+            proc = ctx.Process(target=_sim_main,
+                               args=(address, i, split_rate, max_per_ask, child), daemon=True)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -354,7 +420,7 @@ def create_job(address: str, tag: str) -> int:
     from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
     from torch_dataservice.rpc import channel_to
 
-    pipeline = tds.Pipeline.range(10**12).with_split_size(SPLIT_SIZE)
+    pipeline = tds.Pipeline.range(DATASET_ELEMENTS).with_split_size(SPLIT_SIZE)
     dataset_id = tds.register_dataset(f"grpc://{address}", pipeline, compression=None)
     stub = dispatcher_pb2_grpc.DispatcherServiceStub(channel_to(address))
     return stub.GetOrCreateJob(dispatcher_pb2.GetOrCreateJobRequest(config=common_pb2.JobConfig(
@@ -376,9 +442,11 @@ class Row:
     sim_cores: float  # the simulators' own, apart
     rss_mb: float
     offered_rps: float  # at the intervals in force
+    attempted_rps: float  # retries too
     achieved_rps: float  # answered
     refused_rps: float  # RESOURCE_EXHAUSTED with a retry-after
-    split_rps: float
+    split_rps: float  # GetSplit requests answered
+    splits_per_ask: float  # splits one answered GetSplit handed out, on average
     split_p50_ms: float  # answered GetSplit requests
     split_p99_ms: float
     errors: int
@@ -399,15 +467,15 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_mode(mode: str, sizes: list[tuple[int, int]], seconds: float, ramp: float,
-             procs: int, split_rate: float, stop_cores: float, grow_timeout_s: float,
-             log) -> list[Row]:
+             procs: int, split_rate: float, max_per_ask: int, stop_cores: float,
+             grow_timeout_s: float, log) -> list[Row]:
     rows: list[Row] = []
     work_dir = tempfile.mkdtemp(prefix="tds-capacity-") if mode == "journal" else None
     dispatcher = Dispatcher(work_dir)
     sims = None
     try:
         job_id = create_job(dispatcher.address, mode)
-        sims = Sims(dispatcher.address, procs, split_rate)
+        sims = Sims(dispatcher.address, procs, split_rate, max_per_ask)
         for workers, clients in sizes:
             grow_began = time.perf_counter()
             try:
@@ -429,10 +497,12 @@ def run_mode(mode: str, sizes: list[tuple[int, int]], seconds: float, ramp: floa
             latencies: list[float] = []
             refused: list[str] = []
             error_kinds: dict[str, int] = {}
+            granted: list[int] = []
             for s in stats:
                 for kind, count in s["counts"].items():
                     counts[kind] = counts.get(kind, 0) + count
                 latencies += s["split_latencies"]
+                granted += s["splits"]
                 for kind in s["errors"]:
                     error_kinds[kind] = error_kinds.get(kind, 0) + 1
                 refused += s["refused"]
@@ -442,25 +512,30 @@ def run_mode(mode: str, sizes: list[tuple[int, int]], seconds: float, ramp: floa
                 log(f"  {mode}: errors {sorted(error_kinds.items(), key=lambda e: -e[1])[:3]}")
             worker_s = max(s["intervals"][0] for s in stats)
             client_s = max(s["intervals"][1] for s in stats)
-            # GetSplit is offered at a fixed rate; heartbeats at the intervals in force, which
-            # move during a window: every attempt made (answered, refused or failed) counts.
-            beats = ("worker_heartbeat", "client_heartbeat")
-            offered = workers * split_rate + (
-                sum(counts.get(k, 0) for k in beats) + sum(k in beats for k in refused)
-                + sum(n for k, n in error_kinds.items() if k.split(":")[0] in beats)) / wall
-            achieved = sum(counts.get(k, 0) for k in
-                           ("worker_heartbeat", "get_split", "client_heartbeat")) / wall
+            # Offered: the GetSplit requests the stocks made, and every heartbeat attempt at
+            # the intervals in force (which move during a window). Attempted: every attempt,
+            # answered, refused or failed, retries too.
+            kinds = ("worker_heartbeat", "get_split", "client_heartbeat")
+            attempts = {k: counts.get(k, 0) + sum(r == k for r in refused) + sum(
+                n for e, n in error_kinds.items() if e.split(":")[0] == k) for k in kinds}
+            offered = (attempts["worker_heartbeat"] + attempts["client_heartbeat"]
+                       + sum(s["fetches"] for s in stats)) / wall
+            achieved = sum(counts.get(k, 0) for k in kinds) / wall
             row = Row(mode, workers, clients, wall, (cpu1 - cpu0) / wall,
                       (sum(s["cpu_s"] for s in stats) - sim_cpu0) / wall,
-                      dispatcher.rss_mb(), offered, achieved, len(refused) / wall,
+                      dispatcher.rss_mb(), offered, sum(attempts.values()) / wall, achieved,
+                      len(refused) / wall,
                       counts.get("get_split", 0) / wall,
+                      sum(granted) / len(granted) if granted else float("nan"),
                       1000 * percentile(latencies, 0.5), 1000 * percentile(latencies, 0.99),
                       errors, 1000 * worker_s, 1000 * client_s, 1000 * percentile(lags, 0.99))
             rows.append(row)
             log(f"  {mode}: {workers} workers + {clients} clients: dispatcher "
                 f"{row.cores:.2f} cores (simulators {row.sim_cores:.2f}), "
-                f"GetSplit p50 {row.split_p50_ms:.1f} ms p99 {row.split_p99_ms:.1f} ms, "
-                f"RPCs {achieved:,.0f}/{offered:,.0f} per s, refused {row.refused_rps:,.0f}/s, "
+                f"GetSplit p50 {row.split_p50_ms:.1f} ms p99 {row.split_p99_ms:.1f} ms "
+                f"({row.splits_per_ask:.1f} splits each), "
+                f"RPCs {achieved:,.0f}/{offered:,.0f} per s ({row.attempted_rps:,.0f} "
+                f"attempts), refused {row.refused_rps:,.0f}/s, "
                 f"intervals {row.worker_interval_ms:.0f}/{row.client_interval_ms:.0f} ms, "
                 f"simulator loop lag p99 {row.sim_lag_p99_ms:.0f} ms")
             if row.cores > stop_cores:
@@ -478,7 +553,8 @@ def run_mode(mode: str, sizes: list[tuple[int, int]], seconds: float, ramp: floa
 def print_table(rows: list[Row]) -> None:
     header = (f"{'mode':<8} {'workers':>7} {'clients':>7} {'disp cores':>10} {'sim cores':>9} "
               f"{'RSS MB':>7} {'RPC/s done/offered':>19} {'refused/s':>9} {'GetSplit/s':>10} "
-              f"{'p50 ms':>7} {'p99 ms':>7} {'hb ms w/c':>11} {'errors':>6}  <=1 core")
+              f"{'p50 ms':>7} {'p99 ms':>7} {'splits/ask':>10} {'hb ms w/c':>11} {'errors':>6}  "
+              "<=1 core")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -486,7 +562,8 @@ def print_table(rows: list[Row]) -> None:
         intervals = f"{r.worker_interval_ms:.0f}/{r.client_interval_ms:.0f}"
         print(f"{r.mode:<8} {r.workers:>7} {r.clients:>7} {r.cores:>10.2f} {r.sim_cores:>9.2f} "
               f"{r.rss_mb:>7.0f} {done:>19} {r.refused_rps:>9,.0f} {r.split_rps:>10,.0f} "
-              f"{r.split_p50_ms:>7.1f} {r.split_p99_ms:>7.1f} {intervals:>11} {r.errors:>6}  "
+              f"{r.split_p50_ms:>7.1f} {r.split_p99_ms:>7.1f} {r.splits_per_ask:>10.1f} "
+              f"{intervals:>11} {r.errors:>6}  "
               f"{'yes' if r.sustained else 'NO'}")
 
 
@@ -516,7 +593,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ramp", type=float, default=1.5, help="seconds before each window")
     parser.add_argument("--procs", type=int, default=3, help="simulator processes")
     parser.add_argument("--split-rate", type=float, default=2.0,
-                        help="GetSplit per second per worker task (default: 2)")
+                        help="splits a worker's task consumes per second (default: 2)")
+    parser.add_argument("--max-splits-per-ask", type=int, default=STOCK_DEPTH,
+                        help=f"cap on one GetSplit's max_splits (default {STOCK_DEPTH}: as the "
+                             "worker's stock asks; 1: one GetSplit per split, the old model)")
     parser.add_argument("--stop-cores", type=float, default=1.5,
                         help="skip larger steps once the dispatcher used this many cores")
     parser.add_argument("--grow-timeout", type=float, default=GROW_TIMEOUT_S,
@@ -542,13 +622,16 @@ def main(argv: list[str] | None = None) -> int:
         if mode not in ("memory", "journal"):
             parser.error(f"unknown mode {mode!r}")
         rows += run_mode(mode, sizes, seconds, args.ramp, args.procs, args.split_rate,
+                         args.max_splits_per_ask,
                          args.stop_cores, args.grow_timeout, lambda m: print(m, flush=True))
 
     print()
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, "
           f"{seconds:g} s per step, {args.procs} simulator processes, default heartbeats "
           f"{WORKER_HEARTBEAT_S * 1000:.0f}/{CLIENT_HEARTBEAT_S * 1000:.0f} ms (worker/client) "
-          f"until the dispatcher asks otherwise, {args.split_rate:g} GetSplit/s per worker, "
+          f"until the dispatcher asks otherwise, {args.split_rate:g} splits/s per worker from "
+          f"a stock of depth {STOCK_DEPTH} asking <= {args.max_splits_per_ask} per GetSplit, "
+          f"dataset {DATASET_ELEMENTS:.0e} elements in splits of {SPLIT_SIZE}, "
           f"{time.perf_counter() - began:.0f} s; baseline: the offered RPC rate and a budget of "
           f"{BUDGET_CORES} core")
     print_table(rows)
@@ -562,7 +645,10 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "dispatcher_capacity", "cores": os.cpu_count(),
                        "load_average": os.getloadavg()[0],
-                       "split_rate": args.split_rate, "budget_cores": BUDGET_CORES,
+                       "split_rate": args.split_rate,
+                       "max_splits_per_ask": args.max_splits_per_ask, "stock_depth": STOCK_DEPTH,
+                       "dataset_elements": DATASET_ELEMENTS, "split_size": SPLIT_SIZE,
+                       "budget_cores": BUDGET_CORES,
                        "rows": [{**asdict(r), "sustained": r.sustained} for r in rows]},
                       f, indent=1)
         print(f"wrote {args.json}")

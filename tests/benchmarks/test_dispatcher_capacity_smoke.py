@@ -28,10 +28,14 @@ def test_dispatcher_capacity_runs_and_prints_its_table(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "disp cores" in result.stdout and "p99 ms" in result.stdout
     assert "memory: within" in result.stdout and "journal: within" in result.stdout
-    rows = json.loads(out.read_text())["rows"]
+    written = json.loads(out.read_text())
+    # The workers' split stocks ask as the real ones do, from a dataset no window exhausts.
+    assert written["stock_depth"] == 64 and written["dataset_elements"] >= 10**9
+    rows = written["rows"]
     assert [(r["mode"], r["workers"], r["clients"]) for r in rows] == [
         ("memory", 2, 2), ("memory", 4, 3), ("journal", 2, 2), ("journal", 4, 3)]
-    assert all(r["split_rps"] > 0 and r["split_p50_ms"] > 0 for r in rows)
+    assert all(r["split_rps"] > 0 and r["split_p50_ms"] > 0 and r["splits_per_ask"] >= 1
+               and r["attempted_rps"] >= r["achieved_rps"] for r in rows)
     # A small fleet: the default intervals, nothing refused, the simulators' CPU apart.
     assert all(r["worker_interval_ms"] == 500 and r["client_interval_ms"] == 100
                and r["refused_rps"] == 0 and r["sim_cores"] > 0 for r in rows)

@@ -43,10 +43,12 @@ def make_service(clock: Clock, work_dir: Path | None = None,
         **config), journal, clock=clock)
 
 
-def write_journal(work_dir: Path, updates: list, compact_every: int) -> tuple[DispatcherState, int]:
-    """Journal and apply `updates` as the service does, compacting when due; returns the
-    state and how many compactions happened (the journal is closed)."""
-    journal = FileJournal(work_dir, compact_every=compact_every)
+def write_journal(work_dir: Path, updates: list, compact_every: int,
+                  log_share: float = 0.0) -> tuple[DispatcherState, int]:
+    """Journal and apply `updates` as the service does, compacting when due (by default
+    every `compact_every` records, whatever the snapshot's size); returns the state and how
+    many compactions happened (the journal is closed)."""
+    journal = FileJournal(work_dir, compact_every=compact_every, log_share=log_share)
     state = DispatcherState()
     compactions = 0
     for update in updates:

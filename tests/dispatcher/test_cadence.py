@@ -34,13 +34,13 @@ def grow(service, workers: int, clients: int, job_id: int | None = None) -> None
 
 def test_small_fleets_keep_their_own_intervals_and_big_ones_report_less_often() -> None:
     assert cadence.population_stretch(10, 10, 500) == 1.0
-    assert cadence.interval_ms(cadence.CLIENT_DEFAULT_S, 1.0) == 0  # 0: the peer's default
+    assert cadence.interval_ms(cadence.CLIENT_DEFAULT_S, 1.0, 10.0) == 0  # 0: peer's default
     stretches = [cadence.population_stretch(n, 4 * n, 500) for n in (50, 200, 1000)]
     assert stretches == sorted(stretches) and stretches[0] > 1.0
     # Within the budget wherever the caps allow it.
     s = cadence.population_stretch(100, 400, 500)
     assert 100 / (0.5 * s) + 400 / (0.1 * s) == pytest.approx(500, rel=1e-3)
-    assert cadence.interval_ms(cadence.WORKER_DEFAULT_S, 1e6) == 5000  # capped
+    assert cadence.interval_ms(cadence.WORKER_DEFAULT_S, 1e6, 5.0) == 5000  # capped
 
 
 def test_the_reply_tells_an_interval_that_grows_with_the_population() -> None:
@@ -58,6 +58,10 @@ def test_the_reply_tells_an_interval_that_grows_with_the_population() -> None:
                                             None).next_heartbeat_ms
         asked.append((worker_ms, client_ms))
     assert asked[0] == (0, 0)  # 10 + 10: today's intervals, today's reaction
+    # A reader joining a big fleet starts at the stretched interval, not at 100 ms: thousands
+    # joining at once do not all beat at the default until their first reply.
+    joined = service.GetOrCreateIteration(pb.GetOrCreateIterationRequest(job_id=job_id), None)
+    assert joined.next_heartbeat_ms == asked[2][1]
     assert 0 < asked[1][0] < asked[2][0] and 0 < asked[1][1] < asked[2][1]
     load = service.cluster_status().load
     assert (load.worker_heartbeat_ms, load.client_heartbeat_ms) == asked[2]
@@ -254,4 +258,36 @@ def test_a_peer_whose_heartbeats_are_refused_for_overload_is_not_taken_for_dead(
     assert list(service.state.workers) == ["refused:1"]  # the silent one is gone
     assert client not in service._soft.silent_clients  # noqa: SLF001
     service.cadence.pending = 0
+    service.close()
+
+
+def test_a_big_reader_population_beats_less_often_than_workers_within_30_s_detection() -> None:
+    """1,000 workers + 4,096 readers: readers stretch past the workers' cap (their beats are
+    most of the fleet's), yet a dead worker's splits are handed again within 30 s: noticed
+    after 4 worker intervals, then handed once every reader has reported (1 reader interval)."""
+    stretch = cadence.population_stretch(1000, 4096, 500)
+    worker_s = cadence.interval_ms(cadence.WORKER_DEFAULT_S, stretch,
+                                   cadence.MAX_WORKER_INTERVAL_S) / 1000
+    client_s = cadence.interval_ms(cadence.CLIENT_DEFAULT_S, stretch,
+                                   cadence.MAX_CLIENT_INTERVAL_S) / 1000
+    assert client_s > worker_s == 5.0
+    assert cadence.LIVENESS_BEATS * worker_s + client_s <= 30.0
+    assert 1000 / worker_s + 4096 / client_s < 650  # 1,019/s at a 5-s reader cap
+    # Where the budget holds, it is held; the caps only bind past it.
+    s = cadence.population_stretch(1000, 2000, 500)
+    assert 1000 / min(0.5 * s, 5.0) + 2000 / min(0.1 * s, 10.0) == pytest.approx(500, rel=1e-3)
+
+
+def test_a_worker_whose_tasks_ask_for_splits_is_alive_though_its_heartbeats_are_lost() -> None:
+    """An overloaded dispatcher's gRPC queue drops heartbeats unseen (CANCELLED) while it
+    serves splits: a worker whose task asks for splits is not taken for dead."""
+    clock = Clock()
+    service = make_service(clock, worker_timeout_ms=1000)
+    iteration_id, _ = start_epoch(service, workers=("asks:1", "silent:1"), num_splits=100)
+    task_id = task_of(service, iteration_id, "asks:1")
+    for _ in range(10):
+        clock.now += 0.5
+        get_split(service, iteration_id, task_id)
+        service.check_liveness()
+    assert list(service.state.workers) == ["asks:1"]  # the silent one is gone
     service.close()

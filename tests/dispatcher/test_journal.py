@@ -15,6 +15,7 @@ from tests.dispatcher.builders import (
     one_iteration,
     produce_split,
     register_epoch,
+    register_worker,
     replayed,
     write_journal,
 )
@@ -128,6 +129,21 @@ def test_compaction_writes_a_snapshot_and_a_fresh_log(tmp_path: Path) -> None:
     extra = produce_split(2001, 0, 0, task_id=4002)
     write(tmp_path, [extra])
     assert build(*replayed(tmp_path)) == build(*history(), extra)
+
+
+def test_a_big_state_is_compacted_once_the_log_outgrows_its_snapshot(tmp_path: Path) -> None:
+    """A big state (hundreds of workers) is not rewritten every `compact_every` records:
+    the log first grows to the last snapshot's size (compaction costs at most the log's
+    own writes)."""
+    workers = [register_worker(f"big{i}:1") for i in range(300)]
+    small = [produce_split(2000, 0, i, task_id=4000) for i in range(100)]
+    updates = [*one_iteration(), *workers, *small]
+    _, every_time = write_journal(tmp_path / "a", updates, compact_every=40)
+    _, amortized = write_journal(tmp_path / "b", updates, compact_every=40, log_share=1.0)
+    assert every_time == len(updates) // 40
+    assert 1 <= amortized < every_time / 2
+    state = build(*replayed(tmp_path / "b"))
+    assert state == build(*updates)
 
 
 @pytest.mark.timeout(30)

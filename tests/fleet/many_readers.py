@@ -26,6 +26,8 @@ from tests.fault.helpers import tally_all
 from tests.fleet.hosts import Fleet, HostProcess
 from torch_dataservice.dispatcher.cadence import (
     CLIENT_DEFAULT_S,
+    MAX_CLIENT_INTERVAL_S,
+    MAX_WORKER_INTERVAL_S,
     WORKER_DEFAULT_S,
     interval_ms,
     population_stretch,
@@ -229,8 +231,10 @@ def measure(run: Run, workers: int = len(WORKER_HOSTS)) -> Figures:
                                   for load in loads]),
         client_interval_ms=_mean([load["client_heartbeat_ms"] or CLIENT_DEFAULT_S * 1000
                                   for load in loads]),
-        predicted_client_ms=interval_ms(CLIENT_DEFAULT_S, stretch) or CLIENT_DEFAULT_S * 1000,
-        predicted_worker_ms=interval_ms(WORKER_DEFAULT_S, stretch) or WORKER_DEFAULT_S * 1000,
+        predicted_client_ms=(interval_ms(CLIENT_DEFAULT_S, stretch, MAX_CLIENT_INTERVAL_S)
+                             or CLIENT_DEFAULT_S * 1000),
+        predicted_worker_ms=(interval_ms(WORKER_DEFAULT_S, stretch, MAX_WORKER_INTERVAL_S)
+                             or WORKER_DEFAULT_S * 1000),
         stretch=max(load["stretch"] for load in loads),
         refused_per_s=_mean([load["refused_per_s"] for load in loads]),
         reader_ratios=list(intervals.values()),

@@ -91,6 +91,12 @@ def test_workers_and_readers_report_at_the_interval_the_dispatcher_asks(cluster_
         samples = scrape(cluster.dispatcher.metrics_port)
         assert samples[("tds_dispatcher_heartbeat_interval_seconds",
                         (("peer", "client"),))] == pytest.approx(0.6)
+        # A reader joining now starts at the interval in force, told in its join reply.
+        late = Membership(cluster.address, common_pb2.JobConfig(
+            dataset_id=dataset_id, job_name="paced", sharding_policy=int(ShardingPolicy.DYNAMIC),
+            target_workers="ANY"), 0, 10, "ANY", None)
+        assert late.interval_s == 0.6
+        late.release()
     finally:
         membership.closed.set()
         beating.join(5)

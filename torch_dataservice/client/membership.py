@@ -101,7 +101,9 @@ class Membership:
         self.skipped_tasks = False  # some tasks are not read here (LOCAL)
         self.fatal: BaseException | None = None
         self._heartbeat_lock = threading.Lock()
-        self.interval_s = HEARTBEAT_INTERVAL_S  # until the next reply (or refusal) says
+        # As the join reply says (a big fleet's readers start stretched), until the next
+        # heartbeat reply (or refusal) says otherwise.
+        self.interval_s = iteration.next_heartbeat_ms / 1000 or HEARTBEAT_INTERVAL_S
         self._tasks_version = 0  # of the task list last received (0: none)
         self._listed: set[int] = set()  # the tasks it listed
         # When the last heartbeat the dispatcher answered was sent (time.monotonic()): after

@@ -4,14 +4,19 @@ Workers heartbeat every 500 ms and readers every 100 ms by default, so a small f
 fast (tf.data service: workers 30 s, readers 1 s). A big fleet at those rates would take more
 than a core of the dispatcher, so the dispatcher stretches both intervals by one factor until
 the fleet's heartbeat rate fits `heartbeat_budget_rps`, and further while it refuses requests,
-and tells each peer its interval in every reply. Stretching is capped (MAX_INTERVAL_S) and
-the liveness timeouts grow with it (LIVENESS_BEATS intervals), so a dead worker is noticed
-within 30 s at any size. Past its capacity (too many requests in its handlers at once) the
-dispatcher refuses with RESOURCE_EXHAUSTED and a retry-after: heartbeats first, GetSplit only
-well past it, so heartbeats are stretched before splits are delayed. Capacity is measured
-two ways: requests in the handlers at once, and how long a request waited for a handler
-thread (QueuedExecutor): a request that waited past MAX_QUEUED_S is refused at once, so the
-latency of the requests served stays bounded however many arrive.
+and tells each peer its interval in every reply. Stretching is capped and the liveness
+timeouts grow with it (LIVENESS_BEATS intervals). The caps come from failure detection: a
+dead worker is noticed within 4 x MAX_WORKER_INTERVAL_S = 20 s, and its splits are handed
+again once every reader has reported since (requeue_ready, dispatcher/splits.py), within
+MAX_CLIENT_INTERVAL_S more: 30 s at any size. A reader's own at-least-once window is one of
+its intervals (what it took since its last acknowledgement is read again if it dies), and it
+is taken for dead after LIVENESS_BEATS of them (40 s at the cap). Past its capacity (too
+many requests in its handlers at once) the dispatcher refuses with RESOURCE_EXHAUSTED and
+a retry-after: heartbeats first, GetSplit only well past it, so heartbeats are stretched
+before splits are delayed. Capacity is measured two ways: requests in the handlers at
+once, and how long a request waited for a handler thread (QueuedExecutor): a request that
+waited past MAX_QUEUED_S is refused at once, so the latency of the requests served stays
+bounded however many arrive.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from torch_dataservice.proto import status_pb2
 
 WORKER_DEFAULT_S = 0.5  # WorkerConfig.effective_heartbeat_interval_ms
 CLIENT_DEFAULT_S = 0.1  # client/membership.py HEARTBEAT_INTERVAL_S
-MAX_INTERVAL_S = 5.0  # either kind, however big the fleet
+MAX_WORKER_INTERVAL_S = 5.0  # however big the fleet (see the module docstring)
+MAX_CLIENT_INTERVAL_S = 10.0
 LIVENESS_BEATS = 4  # a peer is silent after this many missed intervals (or the timeout)
 MAX_LOAD_STRETCH = 8.0
 REFUSED_SHARE = 0.01  # refusing more than this share of requests stretches the intervals
@@ -49,12 +55,13 @@ def population_stretch(workers: int, clients: int, budget_rps: float) -> float:
     heartbeat rate within `budget_rps` (the largest useful one when the caps forbid it)."""
 
     def rate(stretch: float) -> float:
-        return (workers / min(WORKER_DEFAULT_S * stretch, MAX_INTERVAL_S)
-                + clients / min(CLIENT_DEFAULT_S * stretch, MAX_INTERVAL_S))
+        return (workers / min(WORKER_DEFAULT_S * stretch, MAX_WORKER_INTERVAL_S)
+                + clients / min(CLIENT_DEFAULT_S * stretch, MAX_CLIENT_INTERVAL_S))
 
     if rate(1.0) <= budget_rps:
         return 1.0
-    low, high = 1.0, MAX_INTERVAL_S / CLIENT_DEFAULT_S
+    low, high = 1.0, max(MAX_WORKER_INTERVAL_S / WORKER_DEFAULT_S,
+                         MAX_CLIENT_INTERVAL_S / CLIENT_DEFAULT_S)
     if rate(high) > budget_rps:
         return high
     for _ in range(40):
@@ -63,11 +70,11 @@ def population_stretch(workers: int, clients: int, budget_rps: float) -> float:
     return high
 
 
-def interval_ms(default_s: float, stretch: float) -> int:
+def interval_ms(default_s: float, stretch: float, cap_s: float) -> int:
     """What a reply asks for: 0 (the peer's own default) unless stretched."""
     if stretch <= 1.0:
         return 0
-    return round(min(default_s * stretch, MAX_INTERVAL_S) * 1000)
+    return round(min(default_s * stretch, cap_s) * 1000)
 
 
 @dataclass
@@ -165,8 +172,8 @@ class Cadence:
         elif not refused_now:
             self.load = max(1.0, self.load / 1.25)
         self.population = population_stretch(workers, clients, self.budget_rps)
-        self.worker_ms = interval_ms(WORKER_DEFAULT_S, self.stretch)
-        self.client_ms = interval_ms(CLIENT_DEFAULT_S, self.stretch)
+        self.worker_ms = interval_ms(WORKER_DEFAULT_S, self.stretch, MAX_WORKER_INTERVAL_S)
+        self.client_ms = interval_ms(CLIENT_DEFAULT_S, self.stretch, MAX_CLIENT_INTERVAL_S)
         self._peaks["worker"].note(self.worker_ms / 1000, now)
         self._peaks["client"].note(self.client_ms / 1000, now)
 

@@ -13,9 +13,12 @@ replaces the whole state, so replay yields it first, like any other update.
 Replay reads the newest snapshot, then every log from its generation on, in order. Each
 dispatcher incarnation appends to a new log (one past the highest existing file), so a torn
 tail written by a crashed incarnation is never appended to. Compaction, when the current log
-holds more than `compact_every` records, fsyncs the log and starts `log_<g+1>`, then writes
-`snapshot_<g+1>` (temp file, fsync, rename, fsync the directory) and only then deletes the
-older files; a crash at any point leaves either the old files or the new snapshot complete.
+holds more than `compact_every` records and at least `log_share` of the last snapshot's
+bytes (so a big state, a thousand workers' and readers', is not rewritten every few seconds:
+compacting costs at most what the log's own writes do), fsyncs the log and starts
+`log_<g+1>`, then writes `snapshot_<g+1>` (temp file, fsync, rename, fsync the directory) and
+only then deletes the older files; a crash at any point leaves either the old files or the
+new snapshot complete.
 Only the start is on the request path: the state is copied by pickle (C code, a few times
 cheaper than building the snapshot protobuf) under the dispatcher's lock, and a background
 thread turns the copy into the snapshot and writes it (`maybe_compact`), so requests do not
@@ -141,9 +144,12 @@ class FileJournal:
     """The journal of one dispatcher incarnation in `work_dir` (see the module docstring)."""
 
     def __init__(self, work_dir: str | os.PathLike[str],
-                 compact_every: int = DEFAULT_COMPACT_EVERY, recovery: str = "fail") -> None:
+                 compact_every: int = DEFAULT_COMPACT_EVERY, recovery: str = "fail",
+                 log_share: float = 1.0) -> None:
         if compact_every < 1:
             raise ValueError(f"compact_every must be >= 1, got {compact_every!r}")
+        if not log_share >= 0:
+            raise ValueError(f"log_share must be >= 0, got {log_share!r}")
         if recovery not in ("fail", "truncate"):
             raise ValueError(f"recovery must be 'fail' or 'truncate', got {recovery!r}")
         self._recovery = recovery
@@ -154,6 +160,8 @@ class FileJournal:
         self._dir = Path(work_dir) / JOURNAL_DIR
         self._dir.mkdir(parents=True, exist_ok=True)
         self._compact_every = compact_every
+        self._log_share = log_share
+        self._snapshot_bytes = 0  # the last snapshot's size (written by this incarnation)
         self._lock = threading.Lock()  # the file and the write position
         self._sync_lock = threading.Lock()  # one fsync at a time; waiters share its result
         for leftover in self._dir.glob("*.tmp"):  # a compaction that did not finish
@@ -298,7 +306,8 @@ class FileJournal:
         at a time: a compaction due while the last is being written waits for it).
         """
         with self._lock:
-            if self._records < self._compact_every:
+            if (self._records < self._compact_every
+                    or self._written < self._log_share * self._snapshot_bytes):
                 return False
         self.wait_compacted()
         copy, generation = self._start_generation(state)
@@ -336,6 +345,7 @@ class FileJournal:
     def _write_snapshot(self, copy: bytes, generation: int) -> None:
         """Write `snapshot_<generation>` from a copy of the state, then delete older files."""
         snapshot = snapshot_update(pickle.loads(copy)).SerializeToString()  # noqa: S301 - ours
+        self._snapshot_bytes = len(snapshot)
         final = self._path("snapshot", generation)
         temp = final.with_name(final.name + ".tmp")
         with open(temp, "wb") as f:

@@ -182,6 +182,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             self._apply(*created, Update(acquire_client=dispatcher_pb2.AcquireClient(
                 client_id=client_id, iteration_id=iteration_id)))
             self._soft.client_seen[client_id] = now
+            self._soft.note_joined(client_id, self._state.iterations[iteration_id])
             self._observe.joined(client_id, iteration_id, job, new)
             self._soft.iteration_idle_since.pop(iteration_id, None)
             if self._state.iterations[iteration_id].requeued:  # carried over from a collected one
@@ -190,7 +191,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         self._pusher.push(pushes)
         return dispatcher_pb2.GetOrCreateIterationResponse(
             iteration_id=iteration_id, client_id=client_id, repetition=repetition,
-            created=new)
+            created=new, next_heartbeat_ms=self._cadence.client_ms)
 
     # ------------------------------------------------------------------ clients
     @admitted
@@ -340,6 +341,9 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             task = self._state.task(request.task_id)
             if task.finished:
                 return dispatcher_pb2.GetSplitResponse(end_of_splits=True)
+            if task.worker_address in self._soft.worker_seen:  # its worker is alive: an
+                # overloaded dispatcher drops heartbeats (gRPC's queue) before splits
+                self._soft.worker_seen[task.worker_address] = self._clock()
             for update in splits.produced(iteration, task, request.finished_splits):
                 self._apply(update)
                 key = (update.split_produced.split.repetition, update.split_produced.split.index)

@@ -175,6 +175,9 @@ def from_proto(msg: DispatcherSnapshot) -> DispatcherState:
             last_split={s.replica: (s.request_id, tuple(_split(k) for k in s.splits))
                         for s in t.last_split},
         )
+    for task in state.tasks.values():
+        for key in task.splits:
+            state.iterations[task.iteration_id].holders.setdefault(key, set()).add(task.task_id)
     for c in msg.clients:
         state.clients[c.client_id] = c.iteration_id
     for i in msg.next_ids:

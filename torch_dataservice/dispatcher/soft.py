@@ -31,6 +31,9 @@ class SoftState:
     client_heartbeat: dict[int, int] = field(default_factory=dict)
     requeued_at: dict[int, int] = field(default_factory=dict)
     requeued_time: dict[int, float] = field(default_factory=dict)
+    # ... and the iterations whose last requeue was found ready (every client reported): it
+    # stays so until the next requeue, so GetSplit does not ask every client again per split.
+    requeue_ready: set[int] = field(default_factory=set)
     # The lost tasks each client fenced (accepts nothing from any more): a zombie worker's
     # splits are handed again only once every client fenced its tasks. Clients resend it.
     client_fenced: dict[int, frozenset[int]] = field(default_factory=dict)
@@ -40,7 +43,10 @@ class SoftState:
     iterations_with_silent_clients: set[int] = field(default_factory=set)
     # ... and per client, the splits requeued since its last heartbeat: handed to the others
     # without its report if it was silent, so it drops what it holds of them when it is back.
-    requeued_since_heartbeat: dict[int, set[tuple[int, int]]] = field(default_factory=dict)
+    # Kept as one log per iteration and, per client, how much of it its last heartbeat (or
+    # its joining) saw: a requeue costs the same with four or four thousand clients.
+    requeue_log: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    requeue_seen: dict[int, int] = field(default_factory=dict)
     # ... and since when a finished iteration's clients wait for its splits to settle before
     # they are told it finished (dispatcher/splits.py end_held).
     end_unsettled_since: dict[int, float] = field(default_factory=dict)
@@ -101,14 +107,19 @@ class SoftState:
             return
         self.requeued_at[iteration_id] = self.heartbeats
         self.requeued_time[iteration_id] = now
+        self.requeue_ready.discard(iteration_id)
 
     def note_silent(self, client_id: int, iteration_id: int) -> None:
         self.silent_clients.add(client_id)
         self.iterations_with_silent_clients.add(iteration_id)
 
     def note_requeued(self, iteration: Iteration, key: tuple[int, int]) -> None:
-        for client_id in iteration.client_ids:
-            self.requeued_since_heartbeat.setdefault(client_id, set()).add(key)
+        if iteration.client_ids:
+            self.requeue_log.setdefault(iteration.iteration_id, []).append(key)
+
+    def note_joined(self, client_id: int, iteration: Iteration) -> None:
+        """A new client: the splits requeued before it joined are none of its business."""
+        self.requeue_seen[client_id] = len(self.requeue_log.get(iteration.iteration_id, ()))
 
     def back_from_silence(self, client_id: int, iteration: Iteration, now: float,
                           timeout_s: float) -> set[tuple[int, int]] | None:
@@ -116,14 +127,15 @@ class SoftState:
         `timeout_s` (declared so, or not yet checked), the splits requeued meanwhile, and its
         iteration no longer waits for its silent clients' holdings at the end (it keeps what
         was not requeued, and acknowledges it as it takes it). None if it was not silent."""
-        requeued = self.requeued_since_heartbeat.pop(client_id, set())
+        log = self.requeue_log.get(iteration.iteration_id, [])
+        mark, self.requeue_seen[client_id] = self.requeue_seen.get(client_id, 0), len(log)
         seen = self.client_seen.get(client_id, now)
         if client_id not in self.silent_clients and now - seen <= timeout_s:
             return None
         self.silent_clients.discard(client_id)
         if not any(c in self.silent_clients for c in iteration.client_ids):
             self.iterations_with_silent_clients.discard(iteration.iteration_id)
-        return requeued
+        return set(log[mark:])
 
     def forget_client(self, client_id: int, iteration: Iteration, now: float) -> None:
         """A client left `iteration` (already applied to the state)."""
@@ -131,10 +143,11 @@ class SoftState:
         self.client_heartbeat.pop(client_id, None)
         self.client_fenced.pop(client_id, None)
         self.silent_clients.discard(client_id)
-        self.requeued_since_heartbeat.pop(client_id, None)
+        self.requeue_seen.pop(client_id, None)
         self.settle_news.pop(client_id, None)
         if not iteration.client_ids:
             self.settle_watch.pop(iteration.iteration_id, None)
+            self.requeue_log.pop(iteration.iteration_id, None)
             self.iteration_idle_since[iteration.iteration_id] = now
 
     # ------------------------------------------------------------------ settled splits

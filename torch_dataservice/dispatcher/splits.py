@@ -1,7 +1,7 @@
 """DYNAMIC split hand-out and requeue: decisions over the state and the soft state.
 
 They return `Update`s and never change the state; `end_held` records in the soft state since
-when an iteration's end is held.
+when an iteration's end is held, `requeue_ready` that a requeue's wait is over.
 
 Visitation under DYNAMIC sharding: every element of an epoch is delivered exactly once, even
 when workers die, the dispatcher restarts or an idle iteration is collected and recreated,
@@ -69,15 +69,19 @@ def requeue_ready(state: DispatcherState, soft: SoftState, iteration: Iteration,
     that died, or one that never heartbeated): it cannot report anything new.
     """
     since = soft.requeued_at.get(iteration.iteration_id)
-    if since is None:
+    if since is None or iteration.iteration_id in soft.requeue_ready:
         return True
     if now - soft.requeued_time.get(iteration.iteration_id, now) > worker_timeout_s:
+        soft.requeue_ready.add(iteration.iteration_id)
         return True
     lost = lost_tasks(state, iteration)
-    return all((soft.client_heartbeat.get(c, 0) > since
-                and lost <= soft.client_fenced.get(c, frozenset()))
-               or now - soft.client_seen.get(c, now) > worker_timeout_s
-               for c in iteration.client_ids)
+    ready = all((soft.client_heartbeat.get(c, 0) > since
+                 and lost <= soft.client_fenced.get(c, frozenset()))
+                or now - soft.client_seen.get(c, now) > worker_timeout_s
+                for c in iteration.client_ids)
+    if ready:  # until the next requeue (SoftState.note_requeue)
+        soft.requeue_ready.add(iteration.iteration_id)
+    return ready
 
 
 def lost_tasks(state: DispatcherState, iteration: Iteration) -> frozenset[int]:

@@ -112,6 +112,20 @@ class Iteration:
     # DYNAMIC: every split's element count once a worker finished producing it, kept after it
     # settles (GetSplitSizes: a loader's state names the splits its trainer read whole).
     sizes: dict[tuple[int, int], int] = field(default_factory=dict)
+    def __post_init__(self) -> None:
+        # The tasks holding each split: Task.splits inverted, so a split settles or is
+        # requeued at a cost that does not grow with the iteration's tasks. Derived (not a
+        # field: neither snapshotted nor compared); snapshot.py rebuilds it.
+        self.holders: dict[tuple[int, int], set[int]] = {}
+
+    def hold(self, task: Task, key: tuple[int, int]) -> None:
+        task.splits.add(key)
+        self.holders.setdefault(key, set()).add(task.task_id)
+
+    def release(self, tasks: dict[int, Task], key: tuple[int, int]) -> None:
+        """No task holds split `key` any more."""
+        for task_id in self.holders.pop(key, ()):
+            tasks[task_id].splits.discard(key)
 
 
 @dataclass
@@ -262,7 +276,7 @@ class DispatcherState:
             iteration.delivered.setdefault(key, set()).update(
                 resume.consumed_offsets(config, u.repetition, u.split_index))
         if task is not None and u.split_index >= 0:
-            task.splits.add(key)
+            iteration.hold(task, key)
 
     def _check_ahead(self, iteration: Iteration, config: common_pb2.JobConfig,
                      u: dispatcher_pb2.ProduceSplit, expected: int) -> None:
@@ -294,8 +308,7 @@ class DispatcherState:
     def _apply_requeue_split(self, u: dispatcher_pb2.RequeueSplit) -> None:
         iteration = self.iterations[u.iteration_id]
         key = (u.split.repetition, u.split.index)
-        for task_id in iteration.task_ids:
-            self.tasks[task_id].splits.discard(key)
+        iteration.release(self.tasks, key)
         delivered = iteration.delivered.pop(key, set()) | set(u.delivered_offsets)
         iteration.produced.pop(key, None)
         iteration.requeued.append(RequeuedSplit(key[0], key[1], frozenset(delivered)))
@@ -334,8 +347,7 @@ class DispatcherState:
         if size is None or not all(o in iteration.delivered[key] for o in range(size)):
             return
         del iteration.delivered[key], iteration.produced[key]
-        for task_id in iteration.task_ids:
-            self.tasks[task_id].splits.discard(key)
+        iteration.release(self.tasks, key)
 
     def _apply_snapshot(self, u: dispatcher_pb2.StateSnapshot) -> None:
         raise InvalidTransition("a snapshot record replaces the state: apply it with "
@@ -389,6 +401,7 @@ class DispatcherState:
         for task_id in iteration.task_ids:
             self._finish_task(self.tasks[task_id])
             self.tasks[task_id].splits.clear()  # memory: the split bookkeeping goes too
+        iteration.holders.clear()
         iteration.delivered.clear()
         iteration.produced.clear()
         iteration.sizes.clear()

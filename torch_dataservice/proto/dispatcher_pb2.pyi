@@ -59,16 +59,18 @@ class GetOrCreateIterationRequest(_message.Message):
     def __init__(self, job_id: _Optional[int] = ..., repetition: _Optional[int] = ..., at_least_latest: _Optional[bool] = ...) -> None: ...
 
 class GetOrCreateIterationResponse(_message.Message):
-    __slots__ = ("iteration_id", "client_id", "repetition", "created")
+    __slots__ = ("iteration_id", "client_id", "repetition", "created", "next_heartbeat_ms")
     ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     REPETITION_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
     iteration_id: int
     client_id: int
     repetition: int
     created: bool
-    def __init__(self, iteration_id: _Optional[int] = ..., client_id: _Optional[int] = ..., repetition: _Optional[int] = ..., created: _Optional[bool] = ...) -> None: ...
+    next_heartbeat_ms: int
+    def __init__(self, iteration_id: _Optional[int] = ..., client_id: _Optional[int] = ..., repetition: _Optional[int] = ..., created: _Optional[bool] = ..., next_heartbeat_ms: _Optional[int] = ...) -> None: ...
 
 class ClientHeartbeatRequest(_message.Message):
     __slots__ = ("client_id", "current_round", "received", "blocked_round", "consumer_index", "removals_seen", "consumer_done", "fenced_tasks", "ready_round", "known_tasks_version", "load")
