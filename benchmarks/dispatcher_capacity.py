@@ -194,6 +194,7 @@ class Sim:
                     backoff = min(2 * backoff, RETRY_BACKOFF_S[1])
             got = [] if response.end_of_splits else [response, *response.following]
             self.asked.append((time.time(), len(got)))
+            stock.budget.told_cover_s = response.split_cover_ms / 1000  # as TaskState does
             stock.fetched(request.repetition, [HandedSplit(SplitKey(s.repetition, s.split_index))
                                               for s in got], None, now=time.monotonic())
             pump()

@@ -278,6 +278,30 @@ def test_a_big_reader_population_beats_less_often_than_workers_within_30_s_detec
     assert 1000 / min(0.5 * s, 5.0) + 2000 / min(0.1 * s, 10.0) == pytest.approx(500, rel=1e-3)
 
 
+def test_a_big_fleets_workers_are_told_to_hold_more_splits_so_their_asks_fit_the_budget() -> None:
+    assert cadence.split_cover_ms(10, 500, stretch=1.0, load=1.0) == 0  # its own rule
+    covers = [cadence.split_cover_ms(n, 500, stretch=2.0, load=1.0) for n in (200, 1000)]
+    # A stock refilled at half its target asks twice per cover: the fleet's asks stay at
+    # SPLIT_ASK_SHARE of the budget (250 a second), whatever the number of workers.
+    for workers, cover_ms in zip((200, 1000), covers, strict=True):
+        assert 2 * workers / (cover_ms / 1000) == pytest.approx(250)
+    assert cadence.split_cover_ms(10_000, 500, stretch=2.0, load=1.0) == 10_000  # capped
+    assert cadence.split_cover_ms(200, 500, stretch=2.0, load=2.0) == 2 * covers[0]  # refusing
+    clock = Clock()
+    service = make_service(clock)
+    iteration_id, _ = start_epoch(service, workers=("w:1",), num_splits=100)
+    task_id = task_of(service, iteration_id, "w:1")
+    reply = service.GetSplit(pb.GetSplitRequest(iteration_id=iteration_id, task_id=task_id,
+                                                replica=0, request_id=1), None)
+    assert reply.split_cover_ms == 0  # a small fleet: the worker's own rule
+    grow(service, 999, 0)
+    service.check_liveness()
+    reply = service.GetSplit(pb.GetSplitRequest(iteration_id=iteration_id, task_id=task_id,
+                                                replica=0, request_id=2), None)
+    assert reply.split_cover_ms == cadence.split_cover_ms(1000, 500, 2.0, 1.0) == 8000
+    service.close()
+
+
 def test_a_worker_whose_tasks_ask_for_splits_is_alive_though_its_heartbeats_are_lost() -> None:
     """An overloaded dispatcher's gRPC queue drops heartbeats unseen (CANCELLED) while it
     serves splits: a worker whose task asks for splits is not taken for dead."""

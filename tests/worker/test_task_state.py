@@ -78,12 +78,13 @@ class Cursor:
 
 class Driver:
     """Feeds a task events and plays the shell: FetchSplits wait in `pending` until answered
-    (at once with `eager`), after `latency_s` of the clock; SplitReplies are collected."""
+    (at once with `eager`), after `latency_s` of the clock, each reply asking the stock to
+    cover `cover_s` (as a big fleet's dispatcher does); SplitReplies are collected."""
 
     def __init__(self, task: WorkerTask, cursor: Cursor, clock: Clock, *,
-                 eager: bool = True, latency_s: float = 0.0) -> None:
+                 eager: bool = True, latency_s: float = 0.0, cover_s: float = 0.0) -> None:
         self.task, self.cursor, self.clock = task, cursor, clock
-        self.eager, self.latency_s = eager, latency_s
+        self.eager, self.latency_s, self.cover_s = eager, latency_s, cover_s
         self.pending: deque[FetchSplits] = deque()
         self.replies: dict[tuple[int, int], tuple[HandedSplit, ...]] = {}
         self.sent: list[ToExecutor] = []
@@ -113,7 +114,8 @@ class Driver:
     def answer_one(self) -> None:
         fetch = self.pending.popleft()
         self.clock.now += self.latency_s
-        self.event(SplitsFetched(fetch.repetition, self.cursor.answer(fetch)))
+        self.event(SplitsFetched(fetch.repetition, self.cursor.answer(fetch),
+                                 cover_s=self.cover_s))
 
     def answer_all(self) -> None:
         while self.pending:
@@ -254,6 +256,18 @@ def test_the_stock_stays_small_for_costly_splits() -> None:
     _consume(d, 30, work_s=0.02)
     # A split's work hides a request many times over: no need to hold many splits.
     assert max(c.max_splits for c in d.cursor.calls) <= 3
+
+
+def test_a_stock_told_to_cover_more_asks_for_more_splits_less_often() -> None:
+    """A big fleet's dispatcher tells each stock how much work to cover (GetSplitResponse
+    .split_cover_ms): with 2 s told, half-second splits go several to a request."""
+    asks = {}
+    for cover_s in (0.0, 2.0):
+        d = dynamic(depth=64, num_splits=10_000, latency_s=0.001, cover_s=cover_s)
+        _consume(d, 60, work_s=0.5)
+        asks[cover_s] = len(d.cursor.calls)
+    assert asks[0.0] >= 50  # its own rule: a split or two per request
+    assert asks[2.0] <= 60 / 2  # covering 4 splits, refilled at half: 2 or more a request
 
 
 def test_a_request_for_several_gets_up_to_that_many_numbered_in_order() -> None:

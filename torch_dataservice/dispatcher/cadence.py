@@ -40,6 +40,12 @@ MAX_WORKER_INTERVAL_S = 5.0  # however big the fleet (see the module docstring)
 MAX_CLIENT_INTERVAL_S = 10.0
 LIVENESS_BEATS = 4  # a peer is silent after this many missed intervals (or the timeout)
 MAX_LOAD_STRETCH = 8.0
+# Past the heartbeat budget, the workers' GetSplit asks are kept near this share of it: each
+# stock is told to cover more of its work, so it asks for more splits at a time.
+SPLIT_ASK_SHARE = 0.5
+# The most work a stock is told to cover: how long the tail of an epoch may be, when the last
+# splits wait in one worker's stock while others have none.
+MAX_SPLIT_COVER_S = 10.0
 REFUSED_SHARE = 0.01  # refusing more than this share of requests stretches the intervals
 SPLIT_RETRY_AFTER_S = 0.2
 # A request that waited this long for a handler thread is refused (heartbeats at half of it).
@@ -68,6 +74,17 @@ def population_stretch(workers: int, clients: int, budget_rps: float) -> float:
         middle = (low + high) / 2
         low, high = (low, middle) if rate(middle) <= budget_rps else (middle, high)
     return high
+
+
+def split_cover_ms(workers: int, budget_rps: float, stretch: float, load: float) -> int:
+    """How much of its replicas' work a worker's split stock should cover: 0 (the worker's
+    own rule, worker/split_budget.py) while the fleet fits the budget; past it, enough that
+    the workers' GetSplit asks stay near SPLIT_ASK_SHARE of the budget (a stock refilled at
+    half its target asks once per half of its cover), longer while the dispatcher refuses."""
+    if stretch <= 1.0:
+        return 0
+    cover_s = 2 * workers / (SPLIT_ASK_SHARE * budget_rps) * load
+    return round(1000 * min(MAX_SPLIT_COVER_S, cover_s))
 
 
 def interval_ms(default_s: float, stretch: float, cap_s: float) -> int:
@@ -103,6 +120,7 @@ class Cadence:
         self.population = 1.0  # stretch for the population
         self.load = 1.0  # stretch for the dispatcher's own load
         self.worker_ms = self.client_ms = 0
+        self.split_cover_ms = 0  # what GetSplit replies tell the workers' stocks
         self._peaks = {"worker": _Peak(), "client": _Peak()}
         self.answered = self.refused = 0  # counters since start
         # Peers whose heartbeat was refused, and when: refused is not silent (liveness).
@@ -174,6 +192,7 @@ class Cadence:
         self.population = population_stretch(workers, clients, self.budget_rps)
         self.worker_ms = interval_ms(WORKER_DEFAULT_S, self.stretch, MAX_WORKER_INTERVAL_S)
         self.client_ms = interval_ms(CLIENT_DEFAULT_S, self.stretch, MAX_CLIENT_INTERVAL_S)
+        self.split_cover_ms = split_cover_ms(workers, self.budget_rps, self.stretch, self.load)
         self._peaks["worker"].note(self.worker_ms / 1000, now)
         self._peaks["client"].note(self.client_ms / 1000, now)
 

@@ -334,6 +334,12 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
     @servicer_method
     @durable
     def GetSplit(self, request, context):
+        reply = self._get_split(request)
+        reply.split_cover_ms = self._cadence.split_cover_ms
+        return reply
+
+    def _get_split(self, request: dispatcher_pb2.GetSplitRequest
+                   ) -> dispatcher_pb2.GetSplitResponse:
         with self._lock:
             iteration = self._state.iteration(request.iteration_id)
             if iteration.garbage_collected:

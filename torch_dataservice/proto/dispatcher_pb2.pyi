@@ -267,20 +267,22 @@ class FinishedSplit(_message.Message):
     def __init__(self, split: _Optional[_Union[_common_pb2.SplitKey, _Mapping]] = ..., elements: _Optional[int] = ...) -> None: ...
 
 class GetSplitResponse(_message.Message):
-    __slots__ = ("split_index", "end_of_splits", "skip", "skip_offsets", "repetition", "following")
+    __slots__ = ("split_index", "end_of_splits", "skip", "skip_offsets", "repetition", "following", "split_cover_ms")
     SPLIT_INDEX_FIELD_NUMBER: _ClassVar[int]
     END_OF_SPLITS_FIELD_NUMBER: _ClassVar[int]
     SKIP_FIELD_NUMBER: _ClassVar[int]
     SKIP_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     REPETITION_FIELD_NUMBER: _ClassVar[int]
     FOLLOWING_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_COVER_MS_FIELD_NUMBER: _ClassVar[int]
     split_index: int
     end_of_splits: bool
     skip: int
     skip_offsets: _containers.RepeatedScalarFieldContainer[int]
     repetition: int
     following: _containers.RepeatedCompositeFieldContainer[GetSplitResponse]
-    def __init__(self, split_index: _Optional[int] = ..., end_of_splits: _Optional[bool] = ..., skip: _Optional[int] = ..., skip_offsets: _Optional[_Iterable[int]] = ..., repetition: _Optional[int] = ..., following: _Optional[_Iterable[_Union[GetSplitResponse, _Mapping]]] = ...) -> None: ...
+    split_cover_ms: int
+    def __init__(self, split_index: _Optional[int] = ..., end_of_splits: _Optional[bool] = ..., skip: _Optional[int] = ..., skip_offsets: _Optional[_Iterable[int]] = ..., repetition: _Optional[int] = ..., following: _Optional[_Iterable[_Union[GetSplitResponse, _Mapping]]] = ..., split_cover_ms: _Optional[int] = ...) -> None: ...
 
 class Update(_message.Message):
     __slots__ = ("register_dataset", "register_worker", "create_job", "create_iteration", "produce_split", "create_task", "finish_task", "acquire_client", "release_client", "garbage_collect_iteration", "remove_worker", "requeue_split", "snapshot", "record_delivered", "split_produced", "remove_round_tasks", "remove_dataset", "skip_ids")

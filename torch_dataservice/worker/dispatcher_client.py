@@ -109,6 +109,7 @@ class DispatcherClient:
         self.flush: Callable[[], None] | None = None
         self._asked: OrderedDict[tuple[int, int], None] = OrderedDict()
         self._asked_lock = threading.Lock()
+        self.split_cover_s = 0.0  # as the last GetSplit reply said (worker/split_budget.py)
 
     def _deadline_s(self) -> float:
         return self._config.effective_dispatcher_timeout_ms / 1000
@@ -195,6 +196,7 @@ class DispatcherClient:
         response = retry(lambda: self._stub.GetSplit(request, timeout=10),
                          description="GetSplit", deadline_s=self._deadline_s(),
                          stop=self._stopped)
+        self.split_cover_s = response.split_cover_ms / 1000
         if response.end_of_splits:
             return []
         # A requeued split keeps its own (maybe older) repetition: see dispatcher/splits.py.

@@ -48,6 +48,9 @@ class SplitBudget:
         self._least = least
         self._unknown = unknown
         self._cover_s = COVER_S if cover_s is None else cover_s
+        # What the dispatcher asked the worker's stock to cover (dispatcher/cadence.py
+        # split_cover_ms): more than its own rule in a fleet too big for one split per ask.
+        self.told_cover_s = 0.0
         self._split_s: float | None = None  # moving average: one split's time
         self._latency_s: float | None = None  # moving average: the time to get more splits
 
@@ -73,6 +76,6 @@ class SplitBudget:
         cap = self._cap if cap is None else min(cap, self._cap)
         if not self._split_s:
             return max(self._least, min(cap, self._unknown))
-        cover_s = max(2 * (self._latency_s or 0.0), self._cover_s)
+        cover_s = max(2 * (self._latency_s or 0.0), self._cover_s, self.told_cover_s)
         need = math.ceil(cover_s / self._split_s) + self._ahead
         return max(self._least, min(cap, need))

@@ -143,6 +143,7 @@ class SplitsFetched(NamedTuple):
     repetition: int
     splits: list[HandedSplit]
     error: tuple[str, str] | None = None
+    cover_s: float = 0.0  # what the dispatcher asked the stock to cover (0: its own rule)
 
 
 class Deleted(NamedTuple):
@@ -249,9 +250,10 @@ class WorkerTask:
                 return self._asked(event)
             case SplitDone(replica, finished):
                 return self._done(replica, finished)
-            case SplitsFetched(repetition, splits, error):
+            case SplitsFetched(repetition, splits, error, cover_s):
                 if self.stock is None:
                     return []
+                self.stock.budget.told_cover_s = cover_s
                 self.stock.fetched(repetition, splits, error, now=self._clock())
                 return self._answer_waiters()
             case Started():

@@ -62,6 +62,10 @@ class Dispatcher(Protocol):
 
     def report_completed(self, task_id: int) -> None: ...
 
+    # What the dispatcher's last GetSplit reply asked the split stocks to cover (0: their
+    # own rule): a big fleet's workers ask for more splits at a time.
+    split_cover_s: float
+
 
 @dataclass
 class TaskShell:
@@ -398,10 +402,10 @@ def _get_splits(dispatcher: Dispatcher, definition: common_pb2.TaskDef,
     """Carry out `fetch` (on a thread of the split pool): its answer, or the error to fail
     the replicas that wait with."""
     try:
-        return ts.SplitsFetched(fetch.repetition, dispatcher.get_split(
+        splits = dispatcher.get_split(
             definition, repetition=fetch.repetition, replica=ts.FEED_REPLICA,
-            request_id=fetch.request_id, finished=fetch.finished,
-            max_splits=fetch.max_splits))
+            request_id=fetch.request_id, finished=fetch.finished, max_splits=fetch.max_splits)
+        return ts.SplitsFetched(fetch.repetition, splits, cover_s=dispatcher.split_cover_s)
     except ServiceUnavailableError as exc:
         return ts.SplitsFetched(fetch.repetition, [], ("ServiceUnavailableError", str(exc)))
     except Exception as exc:  # noqa: BLE001 - reported to the replicas that wait
