@@ -55,7 +55,6 @@ def test_the_draft_path_draws_the_same_crop_as_the_full_decode() -> None:
 def test_the_simplejpeg_path_draws_the_same_crop_as_the_full_decode(size) -> None:
     """Landscape and portrait (its header gives height first), at 1/2..1/8 scale and at
     full scale."""
-    pytest.importorskip("simplejpeg")
     data = jpeg(*size)
     for seed in range(8):
         torch.manual_seed(seed)
