@@ -112,6 +112,7 @@ class Iteration:
     # DYNAMIC: every split's element count once a worker finished producing it, kept after it
     # settles (GetSplitSizes: a loader's state names the splits its trainer read whole).
     sizes: dict[tuple[int, int], int] = field(default_factory=dict)
+
     def __post_init__(self) -> None:
         # The tasks holding each split: Task.splits inverted, so a split settles or is
         # requeued at a cost that does not grow with the iteration's tasks. Derived (not a
