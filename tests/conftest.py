@@ -87,6 +87,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
         item.add_marker(pytest.mark.xdist_group(_run_group(item)))
+    # The fleet tests (minutes, one process) first: run last, they would leave the other
+    # process idle at the end (pytest-xdist hands out groups in this order).
+    items.sort(key=lambda item: _run_group(item) != "fleet")
 
 
 def _run_group(item: pytest.Item) -> str:

@@ -51,3 +51,7 @@ def test_a_module_and_the_fleet_tests_each_run_in_one_process() -> None:
     conftest.pytest_collection_modifyitems(items)  # type: ignore[arg-type]
     assert [mark.args for mark in marks if mark.name == "xdist_group"] == [
         ("tests/a/test_x.py",), ("tests/a/test_x.py",), ("fleet",), ("fleet",)]
+    # The fleet's long group goes first, each group's tests in their order.
+    assert [item.nodeid for item in items] == [
+        "tests/fleet/test_fleet.py::test_t", "tests/fleet/test_h.py::t",
+        "tests/a/test_x.py::test_one", "tests/a/test_x.py::test_two[1]"]
