@@ -379,7 +379,7 @@ def cache_epochs(paths: list[str], epochs: int, processes: int,
 
 
 # ----------------------------------------------------------------------------- kernels
-def kernel_costs(paths: list[str], count: int) -> dict[str, float]:
+def kernel_costs(paths: list[str], count: int, rounds: int) -> dict[str, float]:
     """CPU ms per image of decode + RandomResizedCrop(224) + flip on one thread (torch's
     intra-op threads too, as in DataLoader workers and executors)."""
     import image_ops
@@ -404,7 +404,7 @@ def kernel_costs(paths: list[str], count: int) -> dict[str, float]:
         for _name, fn in kernels:
             torch.manual_seed(0)
             fn(blobs[0])
-        for _ in range(KERNEL_ROUNDS):  # interleaved; the least disturbed round counts
+        for _ in range(rounds):  # interleaved; the least disturbed round counts
             for name, fn in kernels:
                 start = time.process_time()
                 for blob in blobs:
@@ -415,11 +415,6 @@ def kernel_costs(paths: list[str], count: int) -> dict[str, float]:
         torch.set_num_threads(threads)
         os.sched_setaffinity(0, cores)
     return costs
-
-
-# Rounds of each kernel over the same images; its cheapest round is reported (CPU time still
-# grows on a busy machine: caches and the memory bus are shared).
-KERNEL_ROUNDS = 5
 
 
 TF_KERNELS = r'''
@@ -451,10 +446,10 @@ print(json.dumps({"tf_decode_and_crop": min(costs)}))
 '''
 
 
-def tf_kernel_costs(python: str, paths: list[str]) -> dict[str, float]:
+def tf_kernel_costs(python: str, paths: list[str], rounds: int) -> dict[str, float]:
     """tf.data's kernels (decode_and_crop_jpeg, bilinear resize without antialiasing) on one
     core, in `python` (an interpreter with tensorflow)."""
-    out = subprocess.run([python, "-c", TF_KERNELS, str(KERNEL_ROUNDS), *paths],
+    out = subprocess.run([python, "-c", TF_KERNELS, str(rounds), *paths],
                          capture_output=True, text=True,
                          timeout=600, preexec_fn=_pinned([0]))
     if out.returncode != 0:
@@ -540,6 +535,9 @@ def main() -> None:
                         help="the simulated GPU step per batch of 64 (disagg)")
     parser.add_argument("--seed", type=int, default=0, help="the synthetic images' seed")
     parser.add_argument("--data", default=None, help="where the images are made (kept)")
+    parser.add_argument("--kernel-rounds", type=int, default=5,
+                        help="kernels group: interleaved rounds, the cheapest counts (CPU time "
+                             "still grows on a busy machine: caches and memory are shared)")
     parser.add_argument("--tf-python", default=None,
                         help="an interpreter with tensorflow, for the kernels group")
     parser.add_argument("--json", default=None, help="write the summary rows here")
@@ -570,9 +568,9 @@ def main() -> None:
     rows = []
     groups = args.only.split(",")
     if "kernels" in groups:
-        costs = kernel_costs(paths, min(len(paths), 256))
+        costs = kernel_costs(paths, min(len(paths), 256), args.kernel_rounds)
         if args.tf_python:
-            costs.update(tf_kernel_costs(args.tf_python, paths[:256]))
+            costs.update(tf_kernel_costs(args.tf_python, paths[:256], args.kernel_rounds))
         print("\ndecode + RandomResizedCrop(224) + flip, CPU ms per image on one core:")
         for name, ms in costs.items():
             print(f"  {name:20s} {ms:6.2f} ms   ({costs['pil_full'] / ms:.2f}x pil_full)")

@@ -73,7 +73,7 @@ def test_ingest_runs_a_case_and_prints_its_table(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "ingest.py"), "--images", "128",
-         "--epochs", "1", "--rounds", "1", "--only", "kernels,equal",
+         "--epochs", "1", "--rounds", "1", "--kernel-rounds", "1", "--only", "kernels,equal",
          "--cases", "torch,tds embedded", "--data", str(tmp_path / "images"),
          "--json", str(out)],
         capture_output=True, text=True, timeout=280, env=env, cwd=REPO)
