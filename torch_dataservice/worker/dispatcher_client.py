@@ -111,6 +111,10 @@ class DispatcherClient:
         self._asked_lock = threading.Lock()
         self.split_cover_s = 0.0  # as the last GetSplit reply said (worker/split_budget.py)
 
+    @property
+    def stopping(self) -> bool:
+        return self._stopped.is_set()
+
     def _deadline_s(self) -> float:
         return self._config.effective_dispatcher_timeout_ms / 1000
 

@@ -66,6 +66,10 @@ class Dispatcher(Protocol):
     # own rule): a big fleet's workers ask for more splits at a time.
     split_cover_s: float
 
+    @property
+    def stopping(self) -> bool:
+        """The worker is stopping: requests cut short by it are no failure of a task."""
+
 
 @dataclass
 class TaskShell:
@@ -251,7 +255,9 @@ class TaskManager:
         self._carry_out(task, instructions)
 
     def _fetched(self, task: TaskShell, fetch: ts.FetchSplits) -> None:
-        self._event(task, _get_splits(self._dispatcher, task.state.definition, fetch))
+        fetched = _get_splits(self._dispatcher, task.state.definition, fetch)
+        if fetched is not None:
+            self._event(task, fetched)
 
     def _carry_out(self, task: TaskShell, instructions: list[ts.Instruction]) -> None:
         for instruction in instructions:
@@ -398,15 +404,19 @@ def _dependencies(dispatcher: Dispatcher, dataset_id: str) -> list[str]:
 
 
 def _get_splits(dispatcher: Dispatcher, definition: common_pb2.TaskDef,
-                fetch: ts.FetchSplits) -> ts.SplitsFetched:
+                fetch: ts.FetchSplits) -> ts.SplitsFetched | None:
     """Carry out `fetch` (on a thread of the split pool): its answer, or the error to fail
-    the replicas that wait with."""
+    the replicas that wait with; None if the worker's own stop cut it short: its readers see
+    the worker go, as they see any worker leave (the dispatcher hands its splits again), not
+    an error of the task."""
     try:
         splits = dispatcher.get_split(
             definition, repetition=fetch.repetition, replica=ts.FEED_REPLICA,
             request_id=fetch.request_id, finished=fetch.finished, max_splits=fetch.max_splits)
         return ts.SplitsFetched(fetch.repetition, splits, cover_s=dispatcher.split_cover_s)
     except ServiceUnavailableError as exc:
+        if dispatcher.stopping:
+            return None
         return ts.SplitsFetched(fetch.repetition, [], ("ServiceUnavailableError", str(exc)))
     except Exception as exc:  # noqa: BLE001 - reported to the replicas that wait
         logger.warning("GetSplit failed: %s: %s", type(exc).__name__, exc)
