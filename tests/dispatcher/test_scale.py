@@ -86,6 +86,43 @@ def test_a_dead_workers_requeue_costs_the_same_with_4096_readers_and_1000_tasks(
     assert big[1] < 5 * small[1] + 0.01, (small, big)
 
 
+def _waiting_hand_out_cpu_s(workers: int, readers: int) -> float:
+    """CPU seconds to hand out 2,000 splits while a dead worker's splits wait for the last
+    reader to report (the others all did)."""
+    clock = Clock()
+    service = make_service(clock, worker_timeout_ms=1000, heartbeat_budget_rps=10**9)
+    addresses = [f"10.0.{i // 250}.{i % 250}:1" for i in range(workers)]
+    iteration_id, first = start_epoch(service, workers=addresses, num_splits=10**6)
+    client_ids = [first, *_join(service, iteration_id, readers - 1)]
+    lost = _take(service, iteration_id, task_of(service, iteration_id, addresses[0]), 4)
+    clock.now += 2.0
+    for address in addresses[1:]:
+        heartbeat_worker(service, address)
+    for client_id in client_ids:  # every reader alive
+        service.ClientHeartbeat(client_request(service, client_id), None)
+    service.check_liveness()  # addresses[0] is dead: its splits wait
+    for client_id in client_ids[:-1]:  # every reader but the last reports since
+        service.ClientHeartbeat(client_request(service, client_id), None)
+    began = time.process_time()
+    _take(service, iteration_id, task_of(service, iteration_id, addresses[1]), 2000)
+    cost = time.process_time() - began
+    assert len(service.state.iteration(iteration_id).requeued) == len(lost)  # still waiting
+    service.ClientHeartbeat(client_request(service, client_ids[-1]), None)
+    again = _take(service, iteration_id, task_of(service, iteration_id, addresses[1]), 1)
+    assert set(lost) <= set(again) and not service.state.iteration(iteration_id).requeued
+    service.close()
+    return cost
+
+
+@pytest.mark.timeout(120)
+def test_splits_handed_while_a_requeue_waits_cost_the_same_with_4096_readers() -> None:
+    small = min(_waiting_hand_out_cpu_s(4, 4) for _ in range(3))
+    big = _waiting_hand_out_cpu_s(1000, 4096)
+    # Each split handed asked every task whether it was lost and every reader whether it had
+    # reported: 4,096 + 1,000 checks per split, some 20 times the small fleet's cost.
+    assert big < 3 * small + 0.01, (small, big)
+
+
 def test_a_silent_reader_learns_the_splits_requeued_meanwhile_and_a_new_one_does_not() -> None:
     clock = Clock()
     service = make_service(clock, worker_timeout_ms=1000)

@@ -15,7 +15,7 @@ builds it), never how far the service had produced: the service may have run far
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from torch_dataservice.policies import ShardingPolicy
 from torch_dataservice.proto import common_pb2, dispatcher_pb2
@@ -92,7 +92,7 @@ def check(config: common_pb2.JobConfig, dataset: common_pb2.DatasetDef) -> None:
                                  f"{consumed.repetition} is malformed")
 
 
-def split_sizes(sizes: dict[tuple[int, int], int],
+def split_sizes(sizes: Mapping[tuple[int, int], int],
                 keys: Iterable[common_pb2.SplitKey]) -> dispatcher_pb2.GetSplitSizesResponse:
     """The known element counts among `keys` (GetSplitSizes)."""
     reply = dispatcher_pb2.GetSplitSizesResponse()

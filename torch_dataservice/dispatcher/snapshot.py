@@ -11,6 +11,7 @@ from typing import TypeVar
 
 from google.protobuf.message import DecodeError
 
+from torch_dataservice.dispatcher.split_sizes import SplitSizes
 from torch_dataservice.dispatcher.state import (
     Dataset,
     DispatcherState,
@@ -31,8 +32,9 @@ _S = DispatcherSnapshot
 # Raise when a change would make an older reader misread a snapshot (and teach from_proto to
 # read the older versions still found on disk). 2: iterations hold the splits handed ahead of
 # their cursor (split affinity), which a version-1 reader would hand again; a version-1
-# snapshot reads as having none.
-SCHEMA_VERSION = 2
+# snapshot reads as having none. 3: split sizes as runs (`size_runs`), which a version-2
+# reader would read as none (and GetSplitSizes answer nothing); version 2's `sizes` still read.
+SCHEMA_VERSION = 3
 
 # The fields of each state dataclass that to_proto and from_proto carry: extend both, the proto
 # and this table when adding a field to state.py.
@@ -86,8 +88,8 @@ def _iteration(it: Iteration) -> snapshot_pb2.DispatcherSnapshot.Iteration:
                    for key, offsets in it.delivered.items()],
         produced=[_S.ProducedSplit(split=_key(key), num_elements=n)
                   for key, n in it.produced.items()],
-        sizes=[_S.ProducedSplit(split=_key(key), num_elements=n)
-               for key, n in it.sizes.items()],
+        size_runs=[_S.SizeRun(repetition=repetition, first=first, end=end, num_elements=n)
+                   for repetition, first, end, n in it.sizes.runs()],
         removals=[common_pb2.RemovedTasks(round=r, task_ids=tasks) for r, tasks in it.removals],
     )
 
@@ -163,7 +165,7 @@ def from_proto(msg: DispatcherSnapshot) -> DispatcherState:
                                     frozenset(r.delivered_offsets)) for r in it.requeued],
             delivered={_split(d.split): set(d.offsets) for d in it.delivered},
             produced={_split(p.split): p.num_elements for p in it.produced},
-            sizes={_split(p.split): p.num_elements for p in it.sizes},
+            sizes=_sizes(it),
             removals=[(r.round, tuple(r.task_ids)) for r in it.removals],
         )
     for k in msg.iteration_by_key:
@@ -183,6 +185,14 @@ def from_proto(msg: DispatcherSnapshot) -> DispatcherState:
     for i in msg.next_ids:
         state.next_ids[i.kind] = i.next_id
     return state
+
+
+def _sizes(it: snapshot_pb2.DispatcherSnapshot.Iteration) -> SplitSizes:
+    """An iteration's split sizes: runs (version 3), or one entry per split (version 2)."""
+    sizes = SplitSizes({_split(p.split): p.num_elements for p in it.sizes})
+    for run in it.size_runs:
+        sizes.add_run(run.repetition, run.first, run.end, run.num_elements)
+    return sizes
 
 
 def to_bytes(state: DispatcherState) -> bytes:

@@ -19,6 +19,17 @@ from torch_dataservice.rpc import RECONNECT_WITHIN_S
 
 
 @dataclass
+class RequeueScan:
+    """The clients a requeue waits for (those of its iteration then), and how many of them
+    reported since it (`since`: SoftState.requeued_at) and fenced the `lost` tasks."""
+
+    since: int
+    clients: list[int]
+    lost: frozenset[int]
+    position: int = 0
+
+
+@dataclass
 class SoftState:
     # Liveness: when each worker / client was last heard of, since when an iteration is idle.
     worker_seen: dict[str, float] = field(default_factory=dict)
@@ -34,6 +45,8 @@ class SoftState:
     # ... and the iterations whose last requeue was found ready (every client reported): it
     # stays so until the next requeue, so GetSplit does not ask every client again per split.
     requeue_ready: set[int] = field(default_factory=set)
+    # ... and, while it waits, how far the scan of its clients got (splits.requeue_ready).
+    requeue_scan: dict[int, RequeueScan] = field(default_factory=dict)
     # The lost tasks each client fenced (accepts nothing from any more): a zombie worker's
     # splits are handed again only once every client fenced its tasks. Clients resend it.
     client_fenced: dict[int, frozenset[int]] = field(default_factory=dict)

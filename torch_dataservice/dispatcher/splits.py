@@ -49,7 +49,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from torch_dataservice.dispatcher import affinity, resume
-from torch_dataservice.dispatcher.soft import SoftState
+from torch_dataservice.dispatcher.soft import RequeueScan, SoftState
 from torch_dataservice.dispatcher.state import DispatcherState, Iteration, Task
 from torch_dataservice.errors import NotReadyError
 from torch_dataservice.policies import ShardingPolicy
@@ -66,22 +66,40 @@ def requeue_ready(state: DispatcherState, soft: SoftState, iteration: Iteration,
     docstring for the trade-off).
 
     A client silent for longer than worker_timeout_ms is not waited for (it may be a trainer
-    that died, or one that never heartbeated): it cannot report anything new.
+    that died, or one that never heartbeated): it cannot report anything new. Asked per split
+    handed while the requeue waits, so the clients are scanned once per requeue, not per call:
+    the scan resumes at the client it last waited for (a client that reported stays so until
+    the next requeue, which starts a new scan), and those who joined meanwhile are added at
+    its end.
     """
-    since = soft.requeued_at.get(iteration.iteration_id)
-    if since is None or iteration.iteration_id in soft.requeue_ready:
+    iteration_id = iteration.iteration_id
+    since = soft.requeued_at.get(iteration_id)
+    if since is None or iteration_id in soft.requeue_ready:
         return True
-    if now - soft.requeued_time.get(iteration.iteration_id, now) > worker_timeout_s:
-        soft.requeue_ready.add(iteration.iteration_id)
+    if now - soft.requeued_time.get(iteration_id, now) > worker_timeout_s:
+        soft.requeue_ready.add(iteration_id)
+        soft.requeue_scan.pop(iteration_id, None)
         return True
-    lost = lost_tasks(state, iteration)
-    ready = all((soft.client_heartbeat.get(c, 0) > since
-                 and lost <= soft.client_fenced.get(c, frozenset()))
-                or now - soft.client_seen.get(c, now) > worker_timeout_s
-                for c in iteration.client_ids)
-    if ready:  # until the next requeue (SoftState.note_requeue)
-        soft.requeue_ready.add(iteration.iteration_id)
-    return ready
+    scan = soft.requeue_scan.get(iteration_id)
+    if scan is None or scan.since != since:
+        scan = soft.requeue_scan[iteration_id] = RequeueScan(
+            since, list(iteration.client_ids), lost_tasks(state, iteration))
+    while True:
+        while scan.position < len(scan.clients):
+            client = scan.clients[scan.position]
+            reported = (soft.client_heartbeat.get(client, 0) > since
+                        and scan.lost <= soft.client_fenced.get(client, frozenset()))
+            if (not reported and client in iteration.client_ids
+                    and now - soft.client_seen.get(client, now) <= worker_timeout_s):
+                return False
+            scan.position += 1
+        joined = iteration.client_ids - set(scan.clients)
+        if not joined:
+            break
+        scan.clients += sorted(joined)
+    soft.requeue_ready.add(iteration_id)  # until the next requeue (SoftState.note_requeue)
+    del soft.requeue_scan[iteration_id]
+    return True
 
 
 def lost_tasks(state: DispatcherState, iteration: Iteration) -> frozenset[int]:

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from torch_dataservice.dispatcher import resume
+from torch_dataservice.dispatcher.split_sizes import SplitSizes
 from torch_dataservice.policies import STATIC_POLICIES, ShardingPolicy
 from torch_dataservice.proto import common_pb2, dispatcher_pb2
 
@@ -110,8 +111,9 @@ class Iteration:
     # Coordinated reads: (round, task ids) per removal of lost tasks, in decision order.
     removals: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
     # DYNAMIC: every split's element count once a worker finished producing it, kept after it
-    # settles (GetSplitSizes: a loader's state names the splits its trainer read whole).
-    sizes: dict[tuple[int, int], int] = field(default_factory=dict)
+    # settles (GetSplitSizes: a loader's state names the splits its trainer read whole); runs
+    # of equal counts, so it does not grow with the epoch (split_sizes.py).
+    sizes: SplitSizes = field(default_factory=SplitSizes)
 
     def __post_init__(self) -> None:
         # The tasks holding each split: Task.splits inverted, so a split settles or is

@@ -94,7 +94,7 @@ class DispatcherSnapshot(_message.Message):
         num_elements: int
         def __init__(self, split: _Optional[_Union[_common_pb2.SplitKey, _Mapping]] = ..., num_elements: _Optional[int] = ...) -> None: ...
     class Iteration(_message.Message):
-        __slots__ = ("iteration_id", "job_id", "repetition", "task_ids", "client_ids", "garbage_collected", "cursor_repetition", "cursor_index", "requeued", "delivered", "produced", "removals", "sizes", "ahead")
+        __slots__ = ("iteration_id", "job_id", "repetition", "task_ids", "client_ids", "garbage_collected", "cursor_repetition", "cursor_index", "requeued", "delivered", "produced", "removals", "sizes", "ahead", "size_runs")
         ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
         JOB_ID_FIELD_NUMBER: _ClassVar[int]
         REPETITION_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,7 @@ class DispatcherSnapshot(_message.Message):
         REMOVALS_FIELD_NUMBER: _ClassVar[int]
         SIZES_FIELD_NUMBER: _ClassVar[int]
         AHEAD_FIELD_NUMBER: _ClassVar[int]
+        SIZE_RUNS_FIELD_NUMBER: _ClassVar[int]
         iteration_id: int
         job_id: int
         repetition: int
@@ -123,7 +124,19 @@ class DispatcherSnapshot(_message.Message):
         removals: _containers.RepeatedCompositeFieldContainer[_common_pb2.RemovedTasks]
         sizes: _containers.RepeatedCompositeFieldContainer[DispatcherSnapshot.ProducedSplit]
         ahead: _containers.RepeatedScalarFieldContainer[int]
-        def __init__(self, iteration_id: _Optional[int] = ..., job_id: _Optional[int] = ..., repetition: _Optional[int] = ..., task_ids: _Optional[_Iterable[int]] = ..., client_ids: _Optional[_Iterable[int]] = ..., garbage_collected: _Optional[bool] = ..., cursor_repetition: _Optional[int] = ..., cursor_index: _Optional[int] = ..., requeued: _Optional[_Iterable[_Union[DispatcherSnapshot.RequeuedSplit, _Mapping]]] = ..., delivered: _Optional[_Iterable[_Union[DispatcherSnapshot.DeliveredSplit, _Mapping]]] = ..., produced: _Optional[_Iterable[_Union[DispatcherSnapshot.ProducedSplit, _Mapping]]] = ..., removals: _Optional[_Iterable[_Union[_common_pb2.RemovedTasks, _Mapping]]] = ..., sizes: _Optional[_Iterable[_Union[DispatcherSnapshot.ProducedSplit, _Mapping]]] = ..., ahead: _Optional[_Iterable[int]] = ...) -> None: ...
+        size_runs: _containers.RepeatedCompositeFieldContainer[DispatcherSnapshot.SizeRun]
+        def __init__(self, iteration_id: _Optional[int] = ..., job_id: _Optional[int] = ..., repetition: _Optional[int] = ..., task_ids: _Optional[_Iterable[int]] = ..., client_ids: _Optional[_Iterable[int]] = ..., garbage_collected: _Optional[bool] = ..., cursor_repetition: _Optional[int] = ..., cursor_index: _Optional[int] = ..., requeued: _Optional[_Iterable[_Union[DispatcherSnapshot.RequeuedSplit, _Mapping]]] = ..., delivered: _Optional[_Iterable[_Union[DispatcherSnapshot.DeliveredSplit, _Mapping]]] = ..., produced: _Optional[_Iterable[_Union[DispatcherSnapshot.ProducedSplit, _Mapping]]] = ..., removals: _Optional[_Iterable[_Union[_common_pb2.RemovedTasks, _Mapping]]] = ..., sizes: _Optional[_Iterable[_Union[DispatcherSnapshot.ProducedSplit, _Mapping]]] = ..., ahead: _Optional[_Iterable[int]] = ..., size_runs: _Optional[_Iterable[_Union[DispatcherSnapshot.SizeRun, _Mapping]]] = ...) -> None: ...
+    class SizeRun(_message.Message):
+        __slots__ = ("repetition", "first", "end", "num_elements")
+        REPETITION_FIELD_NUMBER: _ClassVar[int]
+        FIRST_FIELD_NUMBER: _ClassVar[int]
+        END_FIELD_NUMBER: _ClassVar[int]
+        NUM_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+        repetition: int
+        first: int
+        end: int
+        num_elements: int
+        def __init__(self, repetition: _Optional[int] = ..., first: _Optional[int] = ..., end: _Optional[int] = ..., num_elements: _Optional[int] = ...) -> None: ...
     class FingerprintEntry(_message.Message):
         __slots__ = ("fingerprint", "dataset_id")
         FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
