@@ -216,21 +216,25 @@ _MAY_BE_MINUS_ONE = frozenset({"worker_index"})
 
 
 def check_request(message: Any, path: str = "") -> None:
-    """Refuse (ValueError, naming the field) integers a well-behaved peer never sends."""
+    """Refuse (ValueError, naming the field) integers a well-behaved peer never sends.
+
+    Runs on every request: names are built only for what is refused, and a repeated integer
+    field is checked by its least and greatest values."""
     for field, value in message.ListFields():
-        name = f"{path}{field.name}"
         if field.message_type is not None:
-            for item in (value if _repeated(field) else (value,)):
-                check_request(item, f"{name}.")
-        elif isinstance(value, int) or (_repeated(field) and value and isinstance(value[0], int)):
-            low = -1 if field.name in _MAY_BE_MINUS_ONE else 0
-            for number in (value if _repeated(field) else (value,)):
-                if not low <= number < MAX_REQUEST_INT:
-                    raise ValueError(f"{name}={number} is out of range [{low}, 2**62)")
-
-
-def _repeated(field: Any) -> bool:
-    return field.is_repeated
+            prefix = f"{path}{field.name}."
+            for item in (value if field.is_repeated else (value,)):
+                check_request(item, prefix)
+            continue
+        repeated = field.is_repeated
+        if not (isinstance(value, int) or (repeated and value and isinstance(value[0], int))):
+            continue
+        low = -1 if field.name in _MAY_BE_MINUS_ONE else 0
+        if repeated and low <= min(value) and max(value) < MAX_REQUEST_INT:
+            continue
+        for number in (value if repeated else (value,)):
+            if not low <= number < MAX_REQUEST_INT:
+                raise ValueError(f"{path}{field.name}={number} is out of range [{low}, 2**62)")
 
 
 # An operator looks for refused peers in the log; a peer that keeps asking gets one line a
