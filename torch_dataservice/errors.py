@@ -119,16 +119,24 @@ RETRY_AFTER_KEY = "x-torch-dataservice-retry-after-ms"
 # What gRPC itself answers when a server has too many requests in its handlers
 # (serving.Queue.max_concurrent): no hint comes with it, so peers wait
 # GRPC_REFUSAL_RETRY_AFTER_MS (with jitter). Other RESOURCE_EXHAUSTED errors (a message over
-# the size limit) are no overload and not retried. (gRPC answers a request dropped from its
-# core's queue CANCELLED, which is retried like any outage: RETRYABLE_CODES.)
+# the size limit) are no overload and not retried. A request dropped from the core's queue
+# (serving.Queue.pending) is answered CANCELLED with the details "CANCELLED" (a call the
+# caller cancelled itself says "Locally cancelled by application!"): also an overload, waited
+# out the same way, not retried at once as an outage would be.
 GRPC_REFUSALS = ("Concurrent RPC limit exceeded",)
+GRPC_DROPPED = "CANCELLED"
 GRPC_REFUSAL_RETRY_AFTER_MS = 250
 
 
 def retry_after_ms(error: BaseException) -> int | None:
     """How long an overloaded dispatcher's refusal asks to wait (its hint, or gRPC's own
-    refusal of a full queue); None for other errors."""
-    if not isinstance(error, grpc.RpcError) or error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+    refusal or drop of a request past its queue); None for other errors."""
+    if not isinstance(error, grpc.RpcError):
+        return None
+    if error.code() == grpc.StatusCode.CANCELLED:
+        dropped = (getattr(error, "details", lambda: None)() or "") == GRPC_DROPPED
+        return GRPC_REFUSAL_RETRY_AFTER_MS if dropped else None
+    if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
         return None
     trailing = getattr(error, "trailing_metadata", lambda: None)() or ()
     for key, value in trailing:

@@ -176,18 +176,23 @@ def test_an_overloaded_dispatcher_refuses_and_its_readers_back_off_and_finish(
 
 CALLER = """
 import sys, grpc
+from torch_dataservice.errors import retry_after_ms
 call = grpc.insecure_channel(sys.argv[1]).unary_unary("/probe.Probe/Call")
 call(b"", timeout=10)
 print("ready", flush=True)
 sys.stdin.readline()  # the server's Python is starved from now on
 futures = [call.future(b"", timeout=10) for _ in range(20)]
+cancelled = call.future(b"", timeout=10)
+cancelled.cancel()  # by the caller: no overload
 codes = []
-for future in futures:
+for future in [*futures, cancelled]:
     try:
         future.result()
         codes.append("OK")
+    except grpc.FutureCancelledError:
+        codes.append("LOCAL")
     except grpc.RpcError as error:
-        codes.append(error.code().name)
+        codes.append(f"{error.code().name}/{retry_after_ms(error)}")
 print(" ".join(codes), flush=True)
 """
 
@@ -224,11 +229,11 @@ def test_requests_wait_in_grpcs_core_only_as_long_as_the_queue_allows(queue) -> 
         caller.kill()
         caller.wait(10)
         server.stop(None)
-    assert len(codes) == 20
+    assert len(codes) == 21 and codes[-1] == "LOCAL", codes
     if queue is None:
-        assert set(codes) == {"OK"}, codes  # all waited
-    else:
-        assert codes.count("CANCELLED") >= 5, codes  # dropped, not kept waiting
+        assert set(codes[:-1]) == {"OK"}, codes  # all waited
+    else:  # dropped, not kept waiting, and waited out as an overload by the callers
+        assert codes.count(f"CANCELLED/{GRPC_REFUSAL_RETRY_AFTER_MS}") >= 5, codes
 
 
 @pytest.mark.timeout(120)
