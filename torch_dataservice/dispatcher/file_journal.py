@@ -13,9 +13,11 @@ replaces the whole state, so replay yields it first, like any other update.
 Replay reads the newest snapshot, then every log from its generation on, in order. Each
 dispatcher incarnation appends to a new log (one past the highest existing file), so a torn
 tail written by a crashed incarnation is never appended to. Compaction, when the current log
-holds more than `compact_every` records and at least `log_share` of the last snapshot's
+holds more than `compact_every` records and at least `log_share` times the last snapshot's
 bytes (so a big state, a thousand workers' and readers', is not rewritten every few seconds:
-compacting costs at most what the log's own writes do), fsyncs the log and starts
+a snapshot byte costs about twice the CPU of a log byte, since the snapshot's protobuf is
+built from the state in Python, so at the default LOG_SHARE compacting costs half what the
+log's own writes do, and a restart replays at most that much log), fsyncs the log and starts
 `log_<g+1>`, then writes `snapshot_<g+1>` (temp file, fsync, rename, fsync the directory) and
 only then deletes the older files; a crash at any point leaves either the old files or the
 new snapshot complete.
@@ -65,6 +67,7 @@ Update = dispatcher_pb2.Update
 JOURNAL_DIR = "dispatcher_journal"
 HEADER = struct.Struct("<II")  # payload length, crc32(payload)
 DEFAULT_COMPACT_EVERY = 10_000
+LOG_SHARE = 4.0  # compact once the log holds this many times the last snapshot's bytes
 _FILE_RE = re.compile(r"^(log|snapshot)_(\d+)$")
 
 
@@ -145,7 +148,7 @@ class FileJournal:
 
     def __init__(self, work_dir: str | os.PathLike[str],
                  compact_every: int = DEFAULT_COMPACT_EVERY, recovery: str = "fail",
-                 log_share: float = 1.0) -> None:
+                 log_share: float = LOG_SHARE) -> None:
         if compact_every < 1:
             raise ValueError(f"compact_every must be >= 1, got {compact_every!r}")
         if not log_share >= 0:
