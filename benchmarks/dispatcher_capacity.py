@@ -396,6 +396,7 @@ class Dispatcher:
         args = ["dispatcher", "--port", "0", "--host", "127.0.0.1"]
         if work_dir:
             args += ["--fault-tolerant", "--work-dir", work_dir]
+        args += os.environ.get("TDS_EXTRA", "").split()
         self.proc, self.address = spawn_server(args, log_level="ERROR", start_new_session=True)
 
     def cpu_seconds(self) -> float:

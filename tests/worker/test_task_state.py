@@ -253,9 +253,17 @@ def test_the_stock_grows_for_cheap_splits_behind_a_slow_dispatcher() -> None:
 
 def test_the_stock_stays_small_for_costly_splits() -> None:
     d = dynamic(depth=16, num_splits=10_000, latency_s=0.001)
-    _consume(d, 30, work_s=0.02)
+    _consume(d, 30, work_s=0.2)
     # A split's work hides a request many times over: no need to hold many splits.
     assert max(c.max_splits for c in d.cursor.calls) <= 3
+
+
+def test_a_stock_of_splits_of_a_few_ms_asks_the_dispatcher_a_few_times_a_second() -> None:
+    """A decoded image per split (5 ms): one GetSplit per split or two cost the dispatcher a
+    tenth of the work it handed out; the stock covers STOCK_COVER_S (100 ms) instead."""
+    d = dynamic(depth=64, num_splits=10_000, latency_s=0.001)
+    _consume(d, 400, work_s=0.005)  # 2 s of work
+    assert len(d.cursor.calls) <= 50, len(d.cursor.calls)
 
 
 def test_a_stock_told_to_cover_more_asks_for_more_splits_less_often() -> None:

@@ -19,6 +19,11 @@ import math
 # split of a few hundred tiny elements costs less than a round trip, and a hold this short is
 # no work another worker misses.
 COVER_S = 0.02
+# ... and a task's stock, which asks the dispatcher, at least this much: a GetSplit costs the
+# dispatcher about half a millisecond of CPU (gRPC's share is most of it), so one per 5-ms
+# split (a decoded image) cost it a tenth of the work it handed out; covering 100 ms, a task
+# asks at most about 20 times a second, and holds no more than that at an epoch's end.
+STOCK_COVER_S = 0.1
 
 
 def end_believed(*, ended_for: int, repetition: int, reports_pending: bool) -> bool:

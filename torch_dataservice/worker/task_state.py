@@ -44,7 +44,7 @@ from torch_dataservice.worker import messages
 from torch_dataservice.worker.flow import Arrivals, CreditLedger
 from torch_dataservice.worker.messages import Credit, FinishedSplit, SplitReply, Stop, TaskError
 from torch_dataservice.worker.reorder import SplitOrder
-from torch_dataservice.worker.split_budget import SplitBudget, end_believed
+from torch_dataservice.worker.split_budget import STOCK_COVER_S, SplitBudget, end_believed
 
 Clock = Callable[[], float]
 
@@ -400,7 +400,7 @@ class SplitStock:
             raise ValueError(f"split prefetch depth must be >= 0, got {depth!r}")
         # Split time: the interval between the replicas' asks (per split asked for); latency:
         # a GetSplit's. Two splits until they are known.
-        self.budget = SplitBudget(cap=depth, ahead=1, unknown=2)
+        self.budget = SplitBudget(cap=depth, ahead=1, unknown=2, cover_s=STOCK_COVER_S)
         self._last_ask: float | None = None
         self._last_want = 1
         self._stock: deque[HandedSplit] = deque()
