@@ -392,11 +392,10 @@ class Sims:
 
 
 class Dispatcher:
-    def __init__(self, work_dir: str | None) -> None:
-        args = ["dispatcher", "--port", "0", "--host", "127.0.0.1"]
+    def __init__(self, work_dir: str | None, extra: list[str]) -> None:
+        args = ["dispatcher", "--port", "0", "--host", "127.0.0.1", *extra]
         if work_dir:
             args += ["--fault-tolerant", "--work-dir", work_dir]
-        args += os.environ.get("TDS_EXTRA", "").split()
         self.proc, self.address = spawn_server(args, log_level="ERROR", start_new_session=True)
 
     def cpu_seconds(self) -> float:
@@ -470,10 +469,10 @@ def percentile(values: list[float], q: float) -> float:
 
 def run_mode(mode: str, sizes: list[tuple[int, int]], seconds: float, ramp: float,
              procs: int, split_rate: float, max_per_ask: int, stop_cores: float,
-             grow_timeout_s: float, log) -> list[Row]:
+             grow_timeout_s: float, log, dispatcher_args: list[str]) -> list[Row]:
     rows: list[Row] = []
     work_dir = tempfile.mkdtemp(prefix="tds-capacity-") if mode == "journal" else None
-    dispatcher = Dispatcher(work_dir)
+    dispatcher = Dispatcher(work_dir, dispatcher_args)
     sims = None
     try:
         job_id = create_job(dispatcher.address, mode)
@@ -604,6 +603,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grow-timeout", type=float, default=GROW_TIMEOUT_S,
                         help="seconds a step's peers may take to join (then it and larger "
                              "steps are skipped)")
+    parser.add_argument("--dispatcher-args", default="",
+                        help="more `torch-dataservice dispatcher` options, e.g. "
+                             "'--max-pending-rpcs 64 --heartbeat-budget-rps 800'")
     parser.add_argument("--json", default=None, help="write the rows to this JSON file")
     args = parser.parse_args(argv)
     try:
@@ -625,7 +627,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown mode {mode!r}")
         rows += run_mode(mode, sizes, seconds, args.ramp, args.procs, args.split_rate,
                          args.max_splits_per_ask,
-                         args.stop_cores, args.grow_timeout, lambda m: print(m, flush=True))
+                         args.stop_cores, args.grow_timeout, lambda m: print(m, flush=True),
+                         args.dispatcher_args.split())
 
     print()
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, "
