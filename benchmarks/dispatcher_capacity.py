@@ -30,7 +30,9 @@ intervals in force, which move during a window; `attempted_rps` counts every att
 Baseline, same run: the offered load itself (achieved/offered) and the budget of a core.
 "sustains" = the dispatcher used <= 1 core and answered >= 95% of the offered RPCs. The
 simulators share the machine with the dispatcher (2 cores here): latency includes their
-contention; the dispatcher's CPU is its own.
+contention; the dispatcher's CPU is its own. `--dispatcher-core N` pins the dispatcher (every
+thread) to core N and everything else to the other cores, as a dispatcher host of one core
+would run: it cannot take more than that core, and the simulators cannot take it from it.
 
     python benchmarks/dispatcher_capacity.py --quick    # about a minute
     python benchmarks/dispatcher_capacity.py --workers 1000 --clients 4096 --modes journal
@@ -392,11 +394,13 @@ class Sims:
 
 
 class Dispatcher:
-    def __init__(self, work_dir: str | None, extra: list[str]) -> None:
+    def __init__(self, work_dir: str | None, extra: list[str], core: int | None) -> None:
         args = ["dispatcher", "--port", "0", "--host", "127.0.0.1", *extra]
         if work_dir:
             args += ["--fault-tolerant", "--work-dir", work_dir]
-        self.proc, self.address = spawn_server(args, log_level="ERROR", start_new_session=True)
+        pin = None if core is None else (lambda: os.sched_setaffinity(0, {core}))
+        self.proc, self.address = spawn_server(args, log_level="ERROR", start_new_session=True,
+                                               preexec_fn=pin)
 
     def cpu_seconds(self) -> float:
         with open(f"/proc/{self.proc.pid}/stat") as f:
@@ -469,10 +473,11 @@ def percentile(values: list[float], q: float) -> float:
 
 def run_mode(mode: str, sizes: list[tuple[int, int]], seconds: float, ramp: float,
              procs: int, split_rate: float, max_per_ask: int, stop_cores: float,
-             grow_timeout_s: float, log, dispatcher_args: list[str]) -> list[Row]:
+             grow_timeout_s: float, log, dispatcher_args: list[str],
+             dispatcher_core: int | None) -> list[Row]:
     rows: list[Row] = []
     work_dir = tempfile.mkdtemp(prefix="tds-capacity-") if mode == "journal" else None
-    dispatcher = Dispatcher(work_dir, dispatcher_args)
+    dispatcher = Dispatcher(work_dir, dispatcher_args, dispatcher_core)
     sims = None
     try:
         job_id = create_job(dispatcher.address, mode)
@@ -606,6 +611,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dispatcher-args", default="",
                         help="more `torch-dataservice dispatcher` options, e.g. "
                              "'--max-pending-rpcs 64 --heartbeat-budget-rps 800'")
+    parser.add_argument("--dispatcher-core", type=int, default=-1,
+                        help="pin the dispatcher to this core and the simulators to the "
+                             "others (-1: no pinning, the default)")
     parser.add_argument("--json", default=None, help="write the rows to this JSON file")
     args = parser.parse_args(argv)
     try:
@@ -618,6 +626,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--clients has {len(clients)} counts and --workers {len(workers)}: "
                      "they pair up, one step each")
     sizes = list(zip(workers, clients, strict=True))
+    core = None if args.dispatcher_core < 0 else args.dispatcher_core
+    if core is not None:
+        others = os.sched_getaffinity(0) - {core}
+        if core not in os.sched_getaffinity(0) or not others:
+            parser.error(f"--dispatcher-core {core}: this process may use cores "
+                         f"{sorted(os.sched_getaffinity(0))}, and needs another beside it")
+        os.sched_setaffinity(0, others)  # this process and the simulators it starts
     seconds = args.seconds or (3.0 if args.quick else 8.0)
     began = time.perf_counter()
     rows: list[Row] = []
@@ -628,10 +643,13 @@ def main(argv: list[str] | None = None) -> int:
         rows += run_mode(mode, sizes, seconds, args.ramp, args.procs, args.split_rate,
                          args.max_splits_per_ask,
                          args.stop_cores, args.grow_timeout, lambda m: print(m, flush=True),
-                         args.dispatcher_args.split())
+                         args.dispatcher_args.split(), core)
 
     print()
-    print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, "
+    pinned = ("unpinned" if core is None
+              else f"pinned to core {core}, the simulators to the others")
+    print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, dispatcher {pinned}, "
+          f"{seconds:g} s per step, {args.procs} simulator processes, default heartbeats "
           f"{seconds:g} s per step, {args.procs} simulator processes, default heartbeats "
           f"{WORKER_HEARTBEAT_S * 1000:.0f}/{CLIENT_HEARTBEAT_S * 1000:.0f} ms (worker/client) "
           f"until the dispatcher asks otherwise, {args.split_rate:g} splits/s per worker from "
