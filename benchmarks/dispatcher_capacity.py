@@ -650,7 +650,6 @@ def main(argv: list[str] | None = None) -> int:
               else f"pinned to core {core}, the simulators to the others")
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, dispatcher {pinned}, "
           f"{seconds:g} s per step, {args.procs} simulator processes, default heartbeats "
-          f"{seconds:g} s per step, {args.procs} simulator processes, default heartbeats "
           f"{WORKER_HEARTBEAT_S * 1000:.0f}/{CLIENT_HEARTBEAT_S * 1000:.0f} ms (worker/client) "
           f"until the dispatcher asks otherwise, {args.split_rate:g} splits/s per worker from "
           f"a stock of depth {STOCK_DEPTH} asking <= {args.max_splits_per_ask} per GetSplit, "
