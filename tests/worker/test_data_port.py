@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -13,7 +15,8 @@ from torch_dataservice import auth
 from torch_dataservice.client import data_port as client
 from torch_dataservice.proto import worker_pb2
 from torch_dataservice.wire import codec
-from torch_dataservice.wire.data_port import HELLO
+from torch_dataservice.wire.data_port import ACCEPTED, HELLO, LENGTH, OK, STATUS_LENGTH
+from torch_dataservice.worker import data_port as data_port_module
 from torch_dataservice.worker.data_port import DataPort
 
 HOST = "127.0.0.1"
@@ -226,3 +229,64 @@ def test_socket_directories_of_dead_workers_are_removed_at_start() -> None:
         served.close()
         shutil.rmtree(elsewhere)
     assert not os.path.exists(os.path.dirname(port.socket_path))
+
+
+@pytest.mark.parametrize("kind", ["tcp", "unix"])
+def test_a_reader_that_stops_reading_mid_reply_loses_its_connection(
+        monkeypatch: pytest.MonkeyPatch, worker: FakeWorker, kind: str) -> None:
+    # A reply goes out in one blocking sendmsg: its bound is the kernel's (SO_SNDTIMEO), which
+    # must still cut a reader that stopped reading, freeing the worker's thread and payloads.
+    monkeypatch.setattr(data_port_module, "SEND_TIMEOUT_S", 1.0)
+    worker.replies[1] = [payload(64 << 20, 1)]  # far more than the socket buffers hold
+    target = next(t for t in targets(worker.port) if t[0] == kind)
+    connection = client.Connection(target)
+    try:
+        data = request(1).SerializeToString()
+        connection._sock.sendall(LENGTH.pack(len(data)) + data)  # noqa: SLF001 (never reads)
+        deadline = time.monotonic() + 15
+        while worker.port._connections and time.monotonic() < deadline:  # noqa: SLF001
+            time.sleep(0.1)
+        assert not worker.port._connections  # noqa: SLF001
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("kind", ["tcp", "unix"])
+def test_a_worker_that_stalls_mid_reply_times_the_reader_out(tmp_path, kind: str) -> None:
+    # The reader's socket blocks too (a payload in one recv with MSG_WAITALL): its bound is
+    # SO_RCVTIMEO, and running out of it is a TimeoutError (the worker unreachable).
+    family = socket.AF_UNIX if kind == "unix" else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "s") if kind == "unix" else (HOST, 0))
+    listener.listen(1)
+    target = (("unix", str(tmp_path / "s")) if kind == "unix"
+              else ("tcp", HOST, listener.getsockname()[1]))
+
+    def stall() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            _, _, length = HELLO.unpack(conn.recv(HELLO.size, socket.MSG_WAITALL))
+            conn.recv(length, socket.MSG_WAITALL)
+            conn.sendall(ACCEPTED)
+            (size,) = LENGTH.unpack(conn.recv(LENGTH.size, socket.MSG_WAITALL))
+            conn.recv(size, socket.MSG_WAITALL)
+            header = worker_pb2.ElementBatchHeader()
+            header.elements.add(offset=0, size=1 << 20)
+            head = header.SerializeToString()
+            conn.sendall(STATUS_LENGTH.pack(OK, len(head)) + head + bytes(1000))
+            done.wait(10)
+
+    done = threading.Event()
+    thread = threading.Thread(target=stall, daemon=True)
+    thread.start()
+    connection = client.Connection(target, timeout_s=0.5)
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            connection.fetch(request(1))
+        assert time.monotonic() - started < 5
+    finally:
+        done.set()
+        connection.close()
+        listener.close()
+        thread.join(5)

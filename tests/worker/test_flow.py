@@ -3,14 +3,22 @@ to a replica that says it is blocked), fetches of a steady pipeline carry severa
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
 import torch_dataservice as tds
+from torch_dataservice.proto import common_pb2
 from torch_dataservice.worker import flow, tasks
 from torch_dataservice.worker.flow import Arrivals, CreditLedger
 from torch_dataservice.worker.messages import Credit
+from torch_dataservice.worker.task_state import (
+    BufferedElement,
+    ElementsArrived,
+    Started,
+    WorkerTask,
+)
 
 
 def test_credits_go_in_batches_by_count_or_bytes() -> None:
@@ -98,3 +106,50 @@ def test_credits_reach_a_blocked_replica_however_large_the_batch(cluster_factory
     n = 3 * tasks.CREDITS_PER_REPLICA
     dataset = tds.Pipeline.range(n).apply(tds.distribute("parallel_epochs", cluster.target))
     assert list(dataset) == list(range(n))
+
+
+def _shell_with(payloads: list[bytes]) -> tasks.TaskShell:
+    """A started task whose elements come steadily and whose buffer holds `payloads`."""
+    state = WorkerTask(common_pb2.TaskDef(task_id=1), time.monotonic)
+    state.handle(Started((0,)))
+    for k in range(4):
+        state.arrivals.note(time.monotonic() - (4 - k) * flow.LINGER_S / 4)
+    for offset, payload in enumerate(payloads):
+        state.handle(ElementsArrived([BufferedElement(payload, None, offset, 0)]))
+    assert state.arrivals.steady()
+    return tasks.TaskShell(state)
+
+
+@pytest.mark.timeout(30)
+def test_a_fetch_whose_bytes_are_buffered_does_not_linger(monkeypatch) -> None:
+    # A big element (a batch of images) fills a reply alone: waiting for more elements only
+    # delayed every reply by the whole linger (the buffer never holds `want` of them).
+    monkeypatch.setattr(tasks, "LINGER_S", 2.0)
+    shell = _shell_with([bytes(1000)])
+    with shell.cond:
+        started = time.monotonic()
+        assert shell.wait_for_elements(16, 1000, wait_s=5.0)
+        assert time.monotonic() - started < 1.0
+        started = time.monotonic()  # fewer bytes than a reply: it lingers, as before
+        assert shell.wait_for_elements(16, 1001, wait_s=5.0)
+        assert time.monotonic() - started >= 2.0
+
+
+@pytest.mark.timeout(30)
+def test_a_lingering_fetch_wakes_once_a_reply_s_bytes_arrived(monkeypatch) -> None:
+    monkeypatch.setattr(tasks, "LINGER_S", 5.0)
+    shell = _shell_with([bytes(600)])
+
+    def arrive() -> None:
+        time.sleep(0.3)
+        with shell.cond:
+            shell.wake(shell.state.handle(ElementsArrived([BufferedElement(
+                bytes(600), None, 1, 0)])))
+
+    thread = threading.Thread(target=arrive)
+    with shell.cond:
+        thread.start()
+        started = time.monotonic()
+        assert shell.wait_for_elements(16, 1000, wait_s=10.0)
+        assert 0.2 < time.monotonic() - started < 3.0
+    thread.join()

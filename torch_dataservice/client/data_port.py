@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 import threading
 from typing import Any
 
@@ -37,6 +38,7 @@ from torch_dataservice.wire.data_port import (
     UNAVAILABLE,
     UNKNOWN_TASK,
     VERSION,
+    block_with_kernel_timeouts,
 )
 
 # How long a connect to a data port may take before the reader counts the port unreachable
@@ -101,10 +103,16 @@ class Connection:
                 raise DataPortError(
                     f"worker data port {where} refused the connection: missing or wrong "
                     f"{auth.TOKEN_ENV} token")
-            sock.settimeout(timeout_s)
+            # Plain: each big payload in one recv (MSG_WAITALL) of a blocking socket.
+            self._waitall = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
+            if self._waitall:
+                block_with_kernel_timeouts(sock, timeout_s, timeout_s)
+            else:
+                sock.settimeout(timeout_s)
         except BaseException:
             sock.close()
             raise
+        self._timeout_s = timeout_s
         self._buffer = bytearray(_RECV_BUFFER)
         self._view = memoryview(self._buffer)
         self._start = self._end = 0  # buffered, not yet consumed bytes
@@ -149,7 +157,7 @@ class Connection:
                 self._end -= self._start
                 self._start = 0
             while self._end - self._start < size:
-                n = self._sock.recv_into(self._view[self._end:])
+                n = self._recv_into(self._view[self._end:], 0)
                 if n == 0:
                     raise EOFError("the worker closed the data connection mid-reply")
                 self._end += n
@@ -162,10 +170,16 @@ class Connection:
         target[:filled] = self._view[self._start:self._start + filled]
         self._start += filled
         while filled < target.nbytes:
-            n = self._sock.recv_into(target[filled:])
+            n = self._recv_into(target[filled:], self._waitall)
             if n == 0:
                 raise EOFError("the worker closed the data connection mid-reply")
             filled += n
+
+    def _recv_into(self, view: memoryview, flags: int) -> int:
+        try:
+            return self._sock.recv_into(view, 0, flags)
+        except BlockingIOError as error:  # SO_RCVTIMEO ran out (block_with_kernel_timeouts)
+            raise TimeoutError(f"the worker sent nothing for {self._timeout_s:g}s") from error
 
 
 def _connect_tcp(host: str, port: int) -> socket.socket:

@@ -49,6 +49,22 @@ def recv_exactly(sock: socket.socket, size: int) -> bytes:
     return bytes(data)
 
 
+def block_with_kernel_timeouts(sock: socket.socket, send_s: float, receive_s: float) -> None:
+    """Make plain `sock` blocking, each send bounded by `send_s` and each receive by
+    `receive_s` in the kernel (SO_SNDTIMEO, SO_RCVTIMEO; 0: unbounded) rather than by
+    Python's socket timeout.
+
+    Python's timeout makes the socket non-blocking and polls before every call, so a 9.6 MB
+    payload moved in a dozen partial calls, each taking the GIL back; blocking, it moves in
+    one `sendmsg` (or one `recv_into` with MSG_WAITALL). A call past its bound raises
+    BlockingIOError (EAGAIN), or returns what it moved so far.
+    """
+    sock.settimeout(None)
+    for option, seconds in ((socket.SO_SNDTIMEO, send_s), (socket.SO_RCVTIMEO, receive_s)):
+        sock.setsockopt(socket.SOL_SOCKET, option,
+                        struct.pack("ll", int(seconds), int(seconds % 1 * 1_000_000)))
+
+
 def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
     """Send `buffers` back to back without joining them (scatter-gather `sendmsg`; over TLS,
     which has no sendmsg and copies to encrypt anyway, one `sendall` each)."""

@@ -58,6 +58,7 @@ from torch_dataservice.wire.data_port import (
     UNAVAILABLE,
     UNKNOWN_TASK,
     VERSION,
+    block_with_kernel_timeouts,
     recv_exactly,
     send_buffers,
 )
@@ -231,6 +232,9 @@ class DataPort:
                 self._handshaking.pop(conn, None)
             if not accepted:
                 return
+            plain = not isinstance(conn, ssl.SSLSocket)
+            if plain:  # a reply in one blocking sendmsg (idle waits stay unbounded)
+                block_with_kernel_timeouts(conn, SEND_TIMEOUT_S, 0)
             while True:
                 conn.settimeout(None)  # idle between requests; stop() shuts it down
                 try:
@@ -244,6 +248,8 @@ class DataPort:
                     return
                 conn.settimeout(SEND_TIMEOUT_S)
                 request = worker_pb2.GetElementsRequest.FromString(recv_exactly(conn, size))
+                if plain:
+                    conn.settimeout(None)  # blocking: SO_SNDTIMEO bounds each send
                 self._answer(conn, request)
         except Exception as error:  # a broken or misbehaving client: drop its connection
             logger.debug("data port connection closed: %s", error)

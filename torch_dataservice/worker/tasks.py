@@ -23,6 +23,7 @@ from torch_dataservice.errors import ServiceUnavailableError
 from torch_dataservice.observability.stages import StageTotals
 from torch_dataservice.pipeline.sharding import ShardingPlan, plan_replicas
 from torch_dataservice.proto import common_pb2, worker_pb2
+from torch_dataservice.wire.inprocess import payload_nbytes
 from torch_dataservice.wire.splits import HandedSplit
 from torch_dataservice.worker import task_state as ts
 from torch_dataservice.worker.cache_index import WorkerCache
@@ -80,28 +81,39 @@ class TaskShell:
     runner: TaskRunner | None = None  # see _runner
     datasets: list[str] = field(default_factory=list)  # its own and those it depends on
     last_fetch: float = 0.0  # time.monotonic() of the last fetch (a drain waits for readers)
-    wants: list[int] = field(default_factory=list)  # buffer sizes fetches wait for
+    # (elements, bytes) each waiting fetch wants buffered, whichever comes first
+    wants: list[tuple[int, int]] = field(default_factory=list)
 
-    def wait_for_elements(self, want: int, wait_s: float) -> bool:
+    def wait_for_elements(self, want: int, max_bytes: int, wait_s: float) -> bool:
         """Under cond: wait up to `wait_s` for an element (or the end, or an error), then, if
-        elements come steadily, up to LINGER_S more for `want` of them (a fuller reply).
-        False: nothing came in time."""
+        elements come steadily, up to LINGER_S more for a fuller reply: `want` elements or
+        `max_bytes` of them, whichever comes first (a buffer holding a reply's bytes already
+        has nothing to wait for: batches of big elements were each delayed a whole LINGER_S
+        waiting for `want` of them). False: nothing came in time."""
         state = self.state
         self.last_fetch = time.monotonic()
         deadline = self.last_fetch + wait_s
         while not state.buffer and state.error is None and not state.exhausted():
-            if not self._wait(1, deadline - time.monotonic()):
+            if not self._wait((1, 0), deadline - time.monotonic()):
                 return False
-        if len(state.buffer) < want and state.running() and state.arrivals.steady():
+        if not self._holds(want, max_bytes) and state.running() and state.arrivals.steady():
             deadline = min(deadline, time.monotonic() + LINGER_S)
-            while len(state.buffer) < want and state.running():
-                if not self._wait(want, deadline - time.monotonic()):
+            while not self._holds(want, max_bytes) and state.running():
+                if not self._wait((want, max_bytes), deadline - time.monotonic()):
                     break
         return True
 
-    def _wait(self, want: int, timeout_s: float) -> bool:
-        """Under cond: wait until the buffer holds `want` elements, something ends, or
-        `timeout_s` passed. False: no time was left."""
+    def _holds(self, want: int, max_bytes: int) -> bool:
+        """Under cond: the buffer holds `want` elements, or at least `max_bytes` in fewer
+        (a fetch's `want` is at most LINGER_ELEMENTS: the sum is over a few elements)."""
+        buffer = self.state.buffer
+        if len(buffer) >= want:
+            return True
+        return bool(buffer) and sum(payload_nbytes(e.payload) for e in buffer) >= max_bytes
+
+    def _wait(self, want: tuple[int, int], timeout_s: float) -> bool:
+        """Under cond: wait until the buffer holds `want` (elements, bytes), something ends,
+        or `timeout_s` passed. False: no time was left."""
         if timeout_s <= 0:
             return False
         self.wants.append(want)
@@ -114,9 +126,11 @@ class TaskShell:
     def wake(self, instructions: list[ts.Instruction]) -> None:
         """Under cond: wake the fetches the Wake instructions among `instructions` are for."""
         for wake in instructions:
-            if type(wake) is ts.Wake and (wake.everyone or (
-                    self.wants and wake.buffered >= min(self.wants))):
+            if type(wake) is ts.Wake and (wake.everyone or any(
+                    wake.buffered >= count or self._holds(count, size)
+                    for count, size in self.wants)):
                 self.cond.notify_all()
+                return
 
 
 class TaskManager:
@@ -323,7 +337,8 @@ class TaskManager:
             raise LookupError(task_id)
         self._ensure_started(task)
         with task.cond:
-            if not task.wait_for_elements(min(max_elements, LINGER_ELEMENTS), wait_s):
+            if not task.wait_for_elements(min(max_elements, LINGER_ELEMENTS), max_bytes,
+                                          wait_s):
                 return Taken([], False, None)
             instructions = task.state.handle(ts.ElementsTaken(max_elements, max_bytes))
         self._carry_out(task, instructions)
