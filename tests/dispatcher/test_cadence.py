@@ -143,6 +143,24 @@ def test_a_refused_request_carries_its_retry_after_in_the_trailing_metadata() ->
     service.close()
 
 
+def test_a_request_waiting_for_the_journals_fsync_is_not_counted_as_pending(tmp_path) -> None:
+    # Journaled, much of a request's time in a handler thread is the group commit's wait:
+    # counted, it made a dispatcher refuse heartbeats for its disk's latency, on an idle core.
+    service = make_service(Clock(), tmp_path, max_pending_rpcs=2)
+    iteration_id, client = start_epoch(service)
+    seen = []
+    sync = service._journal.sync  # noqa: SLF001 - the journal's own wait, observed
+
+    def observed_sync() -> None:
+        seen.append(service.cadence.pending)
+        sync()
+
+    service._journal.sync = observed_sync  # noqa: SLF001
+    service.ClientHeartbeat(client_request(service, client), RecordingContext())
+    assert seen == [0] and service.cadence.pending == 0
+    service.close()
+
+
 class GrpcError(grpc.RpcError):
     """What a stub raises for a status gRPC itself answered (no trailing metadata)."""
 

@@ -21,10 +21,11 @@ bounded however many arrive.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -168,6 +169,23 @@ class Cadence:
             self.pending -= 1
             self.answered += 1
 
+    @contextlib.contextmanager
+    def waiting_for_disk(self) -> Iterator[None]:
+        """A request waiting for the journal's fsync uses no CPU and holds no lock: it is not
+        counted as pending meanwhile. (Journaled, a handler thread spends much of its request
+        in the group commit's wait, so the count of requests in handlers rose with the disk's
+        latency, not the dispatcher's work, and heartbeats were refused on a core not busy.)"""
+        counted = getattr(_admitted, "counting", False)
+        if counted:
+            with self._lock:
+                self.pending -= 1
+        try:
+            yield
+        finally:
+            if counted:
+                with self._lock:
+                    self.pending += 1
+
     # ------------------------------------------------------------------ per liveness check
     def update(self, workers: int, clients: int, now: float) -> None:
         """Re-size the intervals to the population and to the load since the last call
@@ -227,15 +245,18 @@ def admitted(method: Callable[..., Any]) -> Callable[..., Any]:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"the dispatcher is over its capacity ({self.cadence.max_pending} "
                           f"requests at once): retry after {ms} ms")
+        _admitted.counting = True
         try:
             return method(self, request, context)
         finally:
+            _admitted.counting = False
             self.cadence.done()
 
     return wrapper
 
 
 _queued = threading.local()  # when the request this thread handles was queued
+_admitted = threading.local()  # whether it counts as pending (Cadence.waiting_for_disk)
 
 
 class QueuedExecutor(ThreadPoolExecutor):
