@@ -476,11 +476,11 @@ def cases(group: str, cores: int) -> list[Case]:
         made = []
         for step in ("sleep", "burn"):
             made += [
-                Case(f"torch on core 0, step {step}", "torch", num_workers=2,
+                Case(f"torch on core 0 (step {step})", "torch", num_workers=2,
                      trainer_cores=[0], step=step),
-                Case(f"tds remote core 1, step {step}", "tds", service="cli",
+                Case(f"tds remote core 1 (step {step})", "tds", service="cli",
                      target_workers="ANY", trainer_cores=[0], workers=[([1], 1)], step=step),
-                Case(f"tds remote core 1 + core 0, step {step}", "tds", service="cli",
+                Case(f"tds remote core 1 + core 0 (step {step})", "tds", service="cli",
                      target_workers="ANY", trainer_cores=[0],
                      workers=[([1], 1), ([0], 1)], step=step),
             ]
