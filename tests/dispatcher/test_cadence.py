@@ -17,6 +17,7 @@ from tests.dispatcher.builders import (
     task_of,
 )
 from torch_dataservice import rpc
+from torch_dataservice.client.membership import Membership
 from torch_dataservice.dispatcher import cadence
 from torch_dataservice.errors import GRPC_REFUSAL_RETRY_AFTER_MS, is_retryable, retry_after_ms
 from torch_dataservice.proto import common_pb2, dispatcher_pb2
@@ -333,3 +334,25 @@ def test_a_worker_whose_tasks_ask_for_splits_is_alive_though_its_heartbeats_are_
         service.check_liveness()
     assert list(service.state.workers) == ["asks:1"]  # the silent one is gone
     service.close()
+
+
+class _DroppingStub:
+    """A dispatcher whose gRPC queue drops every heartbeat (CANCELLED, no Python ran)."""
+
+    def ClientHeartbeat(self, request, timeout):  # noqa: N802 - the stub's method name
+        raise GrpcError(grpc.StatusCode.CANCELLED, "CANCELLED")
+
+
+@pytest.mark.parametrize("interval_s", [0.1, 10.0])
+def test_a_reader_whose_heartbeat_is_dropped_beats_again_no_sooner_than_it_was_due(
+        interval_s: float) -> None:
+    # A drop is an overload (wait 250 ms with jitter), but a heartbeat asked to come every
+    # 10 s must not come back in a quarter of a second: heartbeats stretch, never shrink.
+    membership = Membership.__new__(Membership)  # joined already: only its heartbeat runs
+    membership.client_id, membership._tasks_version = 7, 0  # noqa: SLF001
+    membership.load = membership._delivery = membership.rounds = None  # noqa: SLF001
+    membership.down_since, membership.interval_s = None, interval_s
+    membership._stub = _DroppingStub()  # noqa: SLF001
+    assert membership._beat() is False  # noqa: SLF001
+    low = GRPC_REFUSAL_RETRY_AFTER_MS / 2000
+    assert membership.interval_s == interval_s if interval_s >= 1 else membership.interval_s >= low

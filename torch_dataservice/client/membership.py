@@ -146,8 +146,8 @@ class Membership:
             if self._delivery:
                 self._delivery.restore(reports)  # report them with the next heartbeat
             backoff = overload_backoff_s(error, f"client {self.client_id} heartbeat")
-            if backoff is not None:
-                self.interval_s = backoff
+            if backoff is not None:  # overload: the next beat no sooner than it was due
+                self.interval_s = max(self.interval_s, backoff)
                 return False
             if is_retryable(error) or error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return False  # the dispatcher may be restarting: keep reading known workers

@@ -211,9 +211,9 @@ class WorkerServer:
                 data_socket=data_port.socket_path if data_port is not None else "")
         except grpc.RpcError as error:
             backoff = overload_backoff_s(error, f"worker {self._address} heartbeat")
-            if backoff is not None:
+            if backoff is not None:  # overload: the next beat no sooner than it was due
                 if heartbeat is not None:
-                    heartbeat.interval_s = backoff
+                    heartbeat.interval_s = max(heartbeat.interval_s, backoff)
                 return
             details = error.details() or ""
             tls = (auth.plaintext_against_tls(details)
