@@ -24,9 +24,14 @@ from torch.utils.data import DataLoader, Dataset
 import torch_dataservice as tds
 
 class Numbers(Dataset):
+    # 5 ms a sample: the epoch takes the worker about 2 s, so the loader cannot have fetched
+    # it all by the stall (step 10), which would leave nothing to register again.
+    slow = True
     def __len__(self):
         return 400
     def __getitem__(self, i):
+        if self.slow:
+            time.sleep(0.005)
         return torch.tensor([i])
 
 def hold_the_gil(seconds):
@@ -44,8 +49,10 @@ if __name__ == "__main__":
     target, stall = sys.argv[1], float(sys.argv[2])
     ours = tds.DataLoader(Numbers(), batch_size=4, shuffle=True, service=target,
                           generator=torch.Generator().manual_seed(7))
+    fast = Numbers()
+    fast.slow = False
     theirs = [b.flatten().tolist() for b in DataLoader(
-        Numbers(), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7))]
+        fast, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7))]
     got = []
     for step, batch in enumerate(ours):
         got.append(batch.flatten().tolist())
