@@ -144,6 +144,9 @@ class DataPort:
         unix.listen(64)
         self._listeners.append(unix)
         for listener in self._listeners:
+            # Set here, not in the thread: a stop() right after start() may close the
+            # listener before the thread first runs.
+            listener.settimeout(REAP_EVERY_S)
             thread = threading.Thread(target=self._accept_loop, args=(listener,),
                                       name="data-port-accept", daemon=True)
             thread.start()
@@ -172,7 +175,6 @@ class DataPort:
             self._dir = ""
 
     def _accept_loop(self, listener: socket.socket) -> None:
-        listener.settimeout(REAP_EVERY_S)
         while True:
             try:
                 conn, address = listener.accept()
