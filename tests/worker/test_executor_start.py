@@ -333,3 +333,23 @@ def test_a_replica_started_while_its_executor_restarts_goes_to_the_new_one() -> 
     finally:
         listener.release.set()
         pool.close()
+
+
+# A training script with many files open: the fork server's control socket is fd 1024 or more.
+MANY_FILES_SCRIPT = """
+    import os, resource
+    import torch_dataservice as tds
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), max(hard, 2048)))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    print("many", min(held) < 1024 < max(held))
+    loader = tds.DataLoader(list(range(16)), batch_size=4, num_workers=2)
+    print("read", sorted(int(x) for batch in loader for x in batch) == list(range(16)))
+"""
+
+
+def test_a_fork_server_serves_a_process_with_over_a_thousand_files_open(tmp_path) -> None:
+    # Found in a suite run: the fork server waited on its control socket with select(), which
+    # refuses a descriptor of 1024 or more ("filedescriptor out of range"), and exited.
+    assert run_script(tmp_path, "many_files.py", MANY_FILES_SCRIPT) == ["many True", "read True"]

@@ -510,9 +510,12 @@ def serve(control_fd: int) -> None:
             if module == PRELOAD[-1]:
                 raise
     control = socket.socket(fileno=control_fd)
+    # poll, not select: the fd keeps the front's number, over 1023 in a process with many files
+    readable = select.poll()
+    readable.register(control, select.POLLIN)
     children: set[int] = set()
     while True:
-        if not select.select([control], [], [], 1.0 if children else None)[0]:
+        if not readable.poll(1000 if children else None):
             _reap(children)
             continue
         _reap(children)
