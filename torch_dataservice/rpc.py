@@ -85,6 +85,7 @@ _channels_lock = threading.Lock()
 
 
 _servers_started = False
+_own_channels = False  # a `new_channel` was made
 
 
 def note_server_started() -> None:
@@ -96,7 +97,7 @@ def note_server_started() -> None:
 def grpc_started() -> bool:
     """Whether a gRPC channel or server of ours ran in this process: gRPC's threads may run
     (or come back), so the process must not be forked (worker/launch.py)."""
-    return _servers_started or bool(_channels)
+    return _servers_started or _own_channels or bool(_channels)
 
 
 def channel_to(address: str) -> grpc.Channel:
@@ -109,12 +110,19 @@ def channel_to(address: str) -> grpc.Channel:
     with _channels_lock:
         channel = _channels.get(key)
         if channel is None:
-            raw = (grpc.secure_channel(address, auth.channel_credentials(tls),
-                                       options=CHANNEL_OPTIONS)
-                   if tls is not None else grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
-            channel = fork_gate.gated(auth.secure_channel(raw))
-            _channels[key] = channel
+            channel = _channels[key] = new_channel(address)
         return channel
+
+
+def new_channel(address: str) -> grpc.Channel:
+    """A channel of its own to `address`, set up as `channel_to`'s are; the caller closes it
+    (for peers that come and go by the thousand: a shared channel would stay open forever)."""
+    global _own_channels
+    tls = auth.client_tls()
+    raw = (grpc.secure_channel(address, auth.channel_credentials(tls), options=CHANNEL_OPTIONS)
+           if tls is not None else grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+    _own_channels = True
+    return fork_gate.gated(auth.secure_channel(raw))
 
 
 WAIT_REPORT_ENV = "TORCH_DATASERVICE_WAIT_WARNING_S"

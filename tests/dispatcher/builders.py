@@ -5,6 +5,7 @@ updates."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from torch_dataservice.dispatcher.file_journal import FileJournal
 from torch_dataservice.dispatcher.journal import NullJournal
 from torch_dataservice.dispatcher.service import DispatcherService
 from torch_dataservice.dispatcher.state import DispatcherState
+from torch_dataservice.dispatcher.task_push import Push, TaskPusher
 from torch_dataservice.proto import common_pb2, dispatcher_pb2
 
 pb = dispatcher_pb2
@@ -34,13 +36,27 @@ class Context:
         raise RuntimeError(f"{code.name}: {details}")
 
 
+class KeptPushes(TaskPusher):
+    """Task pushes kept in a list, never sent: the workers of these tests are addresses only
+    (a thousand of them, which nothing must try to connect to)."""
+
+    def __init__(self) -> None:
+        self.pushes: list[Push] = []
+
+    def push(self, pushes: Iterable[Push]) -> None:
+        self.pushes.extend(pushes)
+
+    def close(self) -> None:
+        pass
+
+
 def make_service(clock: Clock, work_dir: Path | None = None,
                  **config: Any) -> DispatcherService:
     """A service with a journal in `work_dir` (fault-tolerant mode), or none."""
     journal = FileJournal(work_dir) if work_dir else NullJournal()
     return DispatcherService(DispatcherConfig(
         fault_tolerant_mode=work_dir is not None, work_dir=str(work_dir) if work_dir else None,
-        **config), journal, clock=clock)
+        **config), journal, clock=clock, pusher=KeptPushes())
 
 
 def write_journal(work_dir: Path, updates: list, compact_every: int,

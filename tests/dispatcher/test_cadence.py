@@ -28,7 +28,7 @@ pb = dispatcher_pb2
 
 def grow(service, workers: int, clients: int, job_id: int | None = None) -> None:
     for i in range(workers):
-        heartbeat_worker(service, f"10.0.{i // 250}.{i % 250}:1")
+        heartbeat_worker(service, f"worker-{i}:1")
     for _ in range(clients):
         service.GetOrCreateIteration(pb.GetOrCreateIterationRequest(job_id=job_id), None)
 
@@ -54,7 +54,7 @@ def test_the_reply_tells_an_interval_that_grows_with_the_population() -> None:
         grow(service, workers - len(service.state.workers),
              clients - len(service.state.clients), job_id)
         service.check_liveness()  # re-sizes the intervals
-        worker_ms = heartbeat_worker(service, "10.0.0.0:1").next_heartbeat_ms
+        worker_ms = heartbeat_worker(service, "worker-0:1").next_heartbeat_ms
         client_ms = service.ClientHeartbeat(client_request(service, client),
                                             None).next_heartbeat_ms
         asked.append((worker_ms, client_ms))
@@ -76,7 +76,7 @@ def test_a_dead_worker_is_noticed_within_30_s_at_1000_workers_and_as_fast_as_eve
         grow(service, workers, 0)
         service.check_liveness()
         interval = service.cadence.worker_ms / 1000 or 0.5
-        dead = "10.0.0.0:1"
+        dead = "worker-0:1"
         addresses = sorted(service.state.workers)
         # Each live worker reports once per interval, at its own phase.
         due = {a: i * interval / len(addresses) for i, a in enumerate(addresses) if a != dead}

@@ -42,7 +42,7 @@ def _requeue_cpu_s(workers: int, readers: int) -> tuple[float, float]:
     another task, with `workers` tasks and `readers` readers on the iteration."""
     clock = Clock()
     service = make_service(clock, worker_timeout_ms=1000, heartbeat_budget_rps=10**9)
-    addresses = [f"10.0.{i // 250}.{i % 250}:1" for i in range(workers)]
+    addresses = [f"worker-{i}:1" for i in range(workers)]
     iteration_id, first = start_epoch(service, workers=addresses, num_splits=10**6)
     client_ids = [first, *_join(service, iteration_id, readers - 1)]
     _take(service, iteration_id, task_of(service, iteration_id, addresses[0]), 256)
@@ -92,7 +92,7 @@ def _waiting_hand_out_cpu_s(workers: int, readers: int) -> float:
     reader to report (the others all did)."""
     clock = Clock()
     service = make_service(clock, worker_timeout_ms=1000, heartbeat_budget_rps=10**9)
-    addresses = [f"10.0.{i // 250}.{i % 250}:1" for i in range(workers)]
+    addresses = [f"worker-{i}:1" for i in range(workers)]
     iteration_id, first = start_epoch(service, workers=addresses, num_splits=10**6)
     client_ids = [first, *_join(service, iteration_id, readers - 1)]
     lost = _take(service, iteration_id, task_of(service, iteration_id, addresses[0]), 4)

@@ -53,6 +53,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         journal: Journal,
         clock: Callable[[], float] = time.monotonic,
         observer: DispatcherObserver | None = None,
+        pusher: TaskPusher | None = None,
     ) -> None:
         self._config = config
         self._observe = observer or DispatcherObserver()  # load figures: status and metrics
@@ -67,7 +68,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         self._views = tasks.ClientViews()  # what every client's reply shares, per change
         self._state = recovery.replay(journal)
         self._soft = SoftState.restored(self._state, clock())
-        self._pusher = TaskPusher()
+        self._pusher = pusher or TaskPusher()  # tests of the service alone keep pushes
         self._effects = Effects(self._state, self._soft, self._apply, self._observe, clock,
                                 self._num_workers, self._gc_timeout_s)
         if journal.recovered_from is not None:  # cut at damage: rewrite it without

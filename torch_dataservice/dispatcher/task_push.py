@@ -1,7 +1,9 @@
 """Best-effort pushes of new tasks to workers, off the dispatcher's lock.
 
 A worker that misses a push gets the task in its next heartbeat reply, so a failed push is
-only logged (DEBUG) and never retried here.
+only logged (DEBUG) and never retried here. Each push has a channel of its own, closed after
+it: pushes are rare (a new task per worker), while workers come and go by the thousand over a
+dispatcher's life, and a shared channel per address ever seen would hold its socket forever.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from torch_dataservice.proto import common_pb2, worker_pb2, worker_pb2_grpc
-from torch_dataservice.rpc import channel_to
+from torch_dataservice.rpc import new_channel
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +36,11 @@ class TaskPusher:
 
 
 def _push_task(address: str, task_def: common_pb2.TaskDef) -> None:
-    stub = worker_pb2_grpc.WorkerServiceStub(channel_to(address))
+    channel = new_channel(address)
     try:
-        stub.ProcessTask(worker_pb2.ProcessTaskRequest(task=task_def), timeout=PUSH_TIMEOUT_S)
+        worker_pb2_grpc.WorkerServiceStub(channel).ProcessTask(
+            worker_pb2.ProcessTaskRequest(task=task_def), timeout=PUSH_TIMEOUT_S)
     except grpc.RpcError as error:  # the next heartbeat delivers it
         logger.debug("push of task %d to %s failed: %s", task_def.task_id, address, error)
+    finally:
+        channel.close()
