@@ -260,7 +260,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             if coordinated.is_coordinated(self._state, iteration):
                 validation.check_consumer(request, self._state.job(iteration.job_id).config)
             handed_again = self._soft.back_from_silence(
-                request.client_id, iteration, self._clock(), self._worker_timeout_s)
+                request.client_id, iteration, self._clock(), self._client_timeout())
             self._record_delivered(iteration, request)
             self._soft.client_fenced[request.client_id] = frozenset(request.fenced_tasks)
             added: list[Update] = []
