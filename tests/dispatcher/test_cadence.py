@@ -356,3 +356,28 @@ def test_a_reader_whose_heartbeat_is_dropped_beats_again_no_sooner_than_it_was_d
     assert membership._beat() is False  # noqa: SLF001
     low = GRPC_REFUSAL_RETRY_AFTER_MS / 2000
     assert membership.interval_s == interval_s if interval_s >= 1 else membership.interval_s >= low
+
+
+@pytest.mark.timeout(30)
+def test_a_reader_beating_at_its_stretched_interval_is_never_told_it_was_silent() -> None:
+    """Past the budget a reader is asked to beat less often than worker_timeout_ms; beating
+    when asked, it is not silent (liveness waits LIVENESS_BEATS of its intervals), so no reply
+    says it was declared silent. (Replies compared its gap with worker_timeout_ms: at 1,000 +
+    4,096, readers asked to beat every 10 s were each told so, and each such beat scanned
+    every reader of the iteration.)"""
+    clock = Clock()
+    service = make_service(clock, worker_timeout_ms=1000, heartbeat_budget_rps=1)
+    iteration_id, client = start_epoch(service, workers=("a:1",))
+    service.check_liveness()  # sizes the intervals to the budget
+    interval = service.ClientHeartbeat(client_request(service, client),
+                                       None).next_heartbeat_ms / 1000
+    assert interval > 1.0  # longer than the worker timeout
+    for _ in range(5):
+        clock.now += interval
+        heartbeat_worker(service, "a:1")
+        service.check_liveness()
+        reply = service.ClientHeartbeat(client_request(service, client), None)
+        assert not reply.declared_silent
+        interval = reply.next_heartbeat_ms / 1000
+    assert client in service.state.clients
+    service.close()

@@ -5,7 +5,10 @@ tmpfs."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,9 +17,21 @@ import pytest
 
 import torch_dataservice as tds
 from tests.conftest import free_port, subprocess_env
+from tests.dispatcher.builders import (
+    Clock,
+    Context,
+    build,
+    make_service,
+    replayed,
+    start_epoch,
+    task_of,
+)
 from torch_dataservice.dispatcher.file_journal import HEADER, JOURNAL_DIR, scan_records
 from torch_dataservice.errors import JournalCorruptError
+from torch_dataservice.proto import common_pb2, dispatcher_pb2
 
+Update = dispatcher_pb2.Update
+pb = dispatcher_pb2
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 
@@ -34,11 +49,25 @@ def _flip_middle_record(path: Path) -> int:
     """Flip one payload byte of a record in the middle of `path`; returns its offset."""
     records, damage = scan_records(path)
     assert damage is None and len(records) >= 4
-    offset = sum(HEADER.size + len(r) for r in records[:len(records) // 2])
+    return _flip_record(path, len(records) // 2)
+
+
+def _flip_record(path: Path, number: int) -> int:
+    """Flip one payload byte of record `number` of `path`; returns its offset."""
+    records, damage = scan_records(path)
+    assert damage is None and number < len(records) - 1, "not a record in the middle"
+    offset = sum(HEADER.size + len(r) for r in records[:number])
     data = bytearray(path.read_bytes())
     data[offset + HEADER.size + 2] ^= 0xFF
     path.write_bytes(bytes(data))
     return offset
+
+
+def _kinds(update: Update) -> list[str | None]:
+    """The kinds of updates a record holds (a request's several updates are one record)."""
+    if update.WhichOneof("kind") == "batch":
+        return [u.WhichOneof("kind") for u in update.batch.updates]
+    return [update.WhichOneof("kind")]
 
 
 def _journal(work_dir: Path) -> Path:
@@ -123,7 +152,12 @@ def test_readers_of_an_iteration_cut_by_recovery_get_an_error_not_data_again(
         for _ in range(50):
             next(reader)
         dispatcher.stop()
-        _flip_middle_record(_journal(tmp_path) / "log_0")
+        # The first record after the iteration's creation: the iteration survives the cut,
+        # what it handed out after does not.
+        log = _journal(tmp_path) / "log_0"
+        created = next(i for i, record in enumerate(scan_records(log)[0])
+                       if "create_iteration" in _kinds(Update.FromString(record)))
+        _flip_record(log, created + 1)
         dispatcher = tds.DispatchServer(_config(tmp_path, port=port,
                                                 journal_recovery="truncate"))
         with pytest.raises(Exception, match="journal was cut at damage"):
@@ -171,3 +205,61 @@ def test_a_full_disk_fails_the_request_and_acknowledged_updates_survive(
         acknowledged += 1
     with tds.DispatchServer(config) as restarted:
         assert len(restarted._service.state.datasets) == acknowledged  # noqa: SLF001
+
+
+def _fill(disk: Path) -> Path:
+    """Write a file until the disk is full; returns it."""
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for size in (65536, 4096, 1):
+            with contextlib.suppress(OSError):
+                while True:
+                    os.write(fd, b"x" * size)
+    finally:
+        os.close(fd)
+    return filler
+
+
+def _ask_splits(service, iteration_id: int, task_id: int, replica: int, request_id: int,
+                max_splits: int, finished=(), context=None) -> list[tuple[int, int]]:
+    request = pb.GetSplitRequest(iteration_id=iteration_id, task_id=task_id, replica=replica,
+                                 request_id=request_id, max_splits=max_splits)
+    for repetition, index in finished:
+        request.finished_splits.add(split=common_pb2.SplitKey(repetition=repetition,
+                                                              index=index), elements=10)
+    reply = service.GetSplit(request, context)
+    return [(s.repetition, s.split_index) for s in (reply, *reply.following)]
+
+
+def test_a_get_split_refused_by_a_full_disk_leaves_the_state_as_the_journal_holds_it(
+        tiny_disk: Path) -> None:
+    """A GetSplit's updates are applied as they are decided and journaled as one record at
+    the end: when that append fails, the dispatcher goes back to what the journal holds, the
+    request fails, and retried once there is room it hands the same splits."""
+    service = make_service(Clock(), tiny_disk)
+    iteration_id, _ = start_epoch(service, workers=("a:1",), num_splits=10_000)
+    task = task_of(service, iteration_id, "a:1")
+    held = _ask_splits(service, iteration_id, task, 1, 1, 64)
+    filler = _fill(tiny_disk)
+    (log,) = _journal(tiny_disk).glob("log_*")
+    request_id = 0
+    while (-log.stat().st_size) % 4096 > 1000:  # the log's last page has room: use it up
+        request_id += 1  # with one-split requests of another replica (~40-byte records)
+        _ask_splits(service, iteration_id, task, 2, request_id, 1)
+    before = copy.deepcopy(service.state)
+    # 64 splits reported produced and 64 handed: over 1,000 bytes, more than the page holds.
+    with pytest.raises(RuntimeError, match="No space left on device"):
+        _ask_splits(service, iteration_id, task, 1, 2, 64, held, context=Context())
+    assert service.state == before  # nothing applied that the journal does not hold
+    assert build(*replayed(tiny_disk)) == before
+    filler.unlink()
+    handed = _ask_splits(service, iteration_id, task, 1, 2, 64, held)
+    assert len(handed) == 64 and not set(handed) & set(held)
+    iteration = service.state.iteration(iteration_id)
+    assert iteration.produced == dict.fromkeys(held, 10)
+    live = service.state
+    service.close()
+    restarted = make_service(Clock(), tiny_disk)
+    assert restarted.state == live
+    restarted.close()

@@ -267,7 +267,9 @@ def test_acknowledgements_reach_the_journal_as_ranges_and_the_read_is_exactly_on
     cluster.stop()
     journal = FileJournal(tmp_path)
     try:
-        reports = [r for u in journal.replay() if u.WhichOneof("kind") == "record_delivered"
+        updates = [u for record in journal.replay()  # a request's updates: one record
+                   for u in (record.batch.updates if record.HasField("batch") else [record])]
+        reports = [r for u in updates if u.WhichOneof("kind") == "record_delivered"
                    for r in u.record_delivered.splits]
     finally:
         journal.close()

@@ -35,11 +35,13 @@ corruption (appends only add whole records at the end): replay refuses it with
 and reports what it discarded (`recovered_from`); the service then fails the iterations that
 were running and compacts, so the damaged files are gone.
 
-Durability is group commit: `append` writes the record (no fsync) under the dispatcher's
-lock, in the order updates are applied; `sync` (called by every RPC before it replies, with
-the lock released) fsyncs everything appended so far, and concurrent callers share one fsync.
-A reply therefore never depends on an update that is not on disk, while a slow fsync never
-holds the dispatcher's lock and is paid once per batch of concurrent requests, not per split.
+Durability is group commit: `append` writes the record (no fsync) under the dispatcher's lock,
+in the order updates are applied (one record per request: several updates travel as one `batch`
+update; journals of older versions, one record per update, replay the same); `sync` (called by
+every RPC before it replies, with the lock released) fsyncs everything appended so far, and
+concurrent callers share one fsync. A reply therefore never depends on an update that is not on
+disk, while a slow fsync never holds the dispatcher's lock and is paid once per batch of
+concurrent requests, not per split.
 """
 
 from __future__ import annotations
@@ -204,7 +206,22 @@ class FileJournal:
     # ------------------------------------------------------------------ reading
     def replay(self) -> Iterator[Update]:
         """Every update of the previous incarnations: the newest snapshot, then the logs."""
-        snapshots = [g for kind, g in self._previous if kind == "snapshot"]
+        return self._read(self._previous)
+
+    def reread(self) -> Iterator[Update]:
+        """Every update on disk now, this incarnation's too: what a restart would replay.
+
+        For a service whose append failed after it changed its state (service.py): it
+        rebuilds the state from this. A torn record a failed append could not cut off is
+        dropped, as replay drops it.
+        """
+        self.wait_compacted()  # the files are then the last snapshot and the logs after it
+        with self._lock:
+            files = self._files()
+        return self._read(files)
+
+    def _read(self, files: list[tuple[str, int]]) -> Iterator[Update]:
+        snapshots = [g for kind, g in files if kind == "snapshot"]
         start = max(snapshots, default=0)
         if snapshots:
             records = list(read_records(self._path("snapshot", start)))
@@ -217,7 +234,7 @@ class FileJournal:
                                    f"{snapshot.WhichOneof('kind')!r} update, not a snapshot")
             self.replay_position = f"the snapshot {self._path('snapshot', start)}"
             yield snapshot
-        logs = sorted(g for kind, g in self._previous if kind == "log" and g >= start)
+        logs = sorted(g for kind, g in files if kind == "log" and g >= start)
         for i, generation in enumerate(logs):
             path = self._path("log", generation)
             records, damage = scan_records(path)
@@ -274,7 +291,7 @@ class FileJournal:
         """Cut a partly written record off the log (a full disk), so the log ends with whole
         records; if even that fails, refuse every later append: the update is not durable and
         nothing may be appended after a torn record."""
-        logger.error("journal %s: append failed (%s); the update is not applied",
+        logger.error("journal %s: append failed (%s); the record is not kept",
                      self._path("log", self._generation), error)
         try:
             os.ftruncate(self._fd, self._written)

@@ -1,12 +1,13 @@
-"""Where the dispatcher's updates go before they are applied.
+"""Where the dispatcher's updates go before any reply depends on them.
 
 Without fault tolerance nothing is kept (`NullJournal`). The fault-tolerant journal
 (`file_journal.FileJournal`) writes each update to `work_dir` and replays them on start.
 
-The service appends under its lock, in apply order, and calls `sync()` before every reply
-with the lock released: a reply never depends on an update that is not durable, and
-concurrent requests share one fsync; `durable` wraps every handler that applies a change
-with that sync.
+The service appends under its lock, in apply order, one record per request (service.py
+`_changes`; if an append fails, it rebuilds its state from `reread()`), and calls `sync()`
+before every reply with the lock released: a reply never depends on an update that is not
+durable, and concurrent requests share one fsync; `durable` wraps every handler that applies a
+change with that sync.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class Journal(Protocol):
 
     def replay(self) -> Iterator[dispatcher_pb2.Update]: ...
 
+    def reread(self) -> Iterator[dispatcher_pb2.Update]: ...
+
     def close(self) -> None: ...
 
 
@@ -57,6 +60,10 @@ class NullJournal:
 
     def replay(self) -> Iterator[dispatcher_pb2.Update]:
         return iter(())
+
+    def reread(self) -> Iterator[dispatcher_pb2.Update]:
+        raise RuntimeError("a NullJournal keeps nothing to rebuild a state from (and its "
+                           "appends never fail)")
 
     def close(self) -> None:
         pass

@@ -22,10 +22,12 @@ logger = logging.getLogger("torch_dataservice.dispatcher.service")
 Update = dispatcher_pb2.Update
 
 
-def replay(journal: Journal) -> DispatcherState:
+def replay(journal: Journal, *, reread: bool = False) -> DispatcherState:
+    """The state the journal holds: its previous incarnations' (a start), or (`reread`)
+    everything on disk now, this incarnation's too (a failed append: service.py)."""
     state = DispatcherState()
     records = 0
-    for update in journal.replay():
+    for update in journal.reread() if reread else journal.replay():
         records += 1
         try:
             snapshot.apply(state, update)

@@ -2,8 +2,14 @@
 
 Every handler takes the one lock, asks the decision modules for `Update`s
 (dispatcher/validation.py, splits.py, resume.py, tasks.py, coordinated.py, liveness.py; they
-never change the state, but some record or forget soft state as they decide), journals and
-applies them to `DispatcherState`, and replies. What a restart forgets lives in one
+never change the state, but some record or forget soft state as they decide), applies them to
+`DispatcherState` as they come (a decision may depend on the one before: a GetSplit's next
+split on the cursor its last one moved), journals them together as one record when it
+releases the lock (`_changes`), and replies. One record per request, not per update: a
+GetSplit that reports finished splits and is handed new ones is encoded and written once.
+If that append fails (a full disk), the state is rebuilt from the journal, as a restart would
+rebuild it, and the request fails: the state never holds what the journal does not, and
+nothing anyone was told is lost. What a restart forgets lives in one
 `SoftState` (dispatcher/soft.py). Pushing new tasks to workers is best-effort and outside the
 lock: a worker that misses a push gets the task in its next heartbeat reply. Every RPC syncs
 the journal (group commit, see dispatcher/file_journal.py) after releasing the lock and before
@@ -12,10 +18,11 @@ replying. The exactly-once rules of DYNAMIC sharding are in dispatcher/splits.py
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch_dataservice.config import DispatcherConfig
@@ -35,7 +42,7 @@ from torch_dataservice.dispatcher.effects import Effects
 from torch_dataservice.dispatcher.journal import Journal, durable
 from torch_dataservice.dispatcher.observe import DispatcherObserver
 from torch_dataservice.dispatcher.soft import SoftState
-from torch_dataservice.dispatcher.state import DispatcherState, Iteration, Task
+from torch_dataservice.dispatcher.state import DispatcherState, Iteration, Task, Worker
 from torch_dataservice.dispatcher.task_push import Push, TaskPusher
 from torch_dataservice.errors import NotReadyError
 from torch_dataservice.proto import dispatcher_pb2, dispatcher_pb2_grpc, status_pb2
@@ -63,6 +70,8 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         self._worker_timeout_s = config.effective_worker_timeout_ms / 1000
         self._gc_timeout_s = config.effective_job_gc_timeout_ms / 1000
         self._lock = threading.RLock()
+        # The updates applied since the outermost `_changes` began: one journal record.
+        self._pending: list[Update] | None = None
         self._cadence = Cadence(config.effective_heartbeat_budget_rps,
                                 config.effective_max_pending_rpcs)
         self._views = tasks.ClientViews()  # what every client's reply shares, per change
@@ -97,24 +106,70 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         return self._cadence.timeout_s("client", self._worker_timeout_s)
 
     def _apply(self, *updates: Update | None) -> None:
-        for update in updates:
-            if update is None:
-                continue
-            self._journal.append(update)  # durable before any reply: see journal.durable
-            self._state.apply(update)
-            self._views.note(update)
-            if update.WhichOneof("kind") == "requeue_split":
-                requeue = update.requeue_split
-                self._soft.note_requeued(self._state.iterations[requeue.iteration_id],
-                                         (requeue.split.repetition, requeue.split.index))
+        """Apply `updates` now; they are journaled when the outermost `_changes` ends (one
+        made for this call if none is open)."""
+        with self._changes():
+            pending = self._pending
+            assert pending is not None  # _changes opened it
+            for update in updates:
+                if update is None:
+                    continue
+                self._state.apply(update)
+                pending.append(update)
+                self._views.note(update)
+                if update.WhichOneof("kind") == "requeue_split":
+                    requeue = update.requeue_split
+                    self._soft.note_requeued(self._state.iterations[requeue.iteration_id],
+                                             (requeue.split.repetition, requeue.split.index))
+
+    @contextlib.contextmanager
+    def _changes(self) -> Iterator[None]:
+        """Hold the lock; what is applied meanwhile is appended to the journal as one record
+        when the outermost `_changes` ends, even if the handler raised (durable before any
+        reply: see journal.durable)."""
+        with self._lock:
+            if self._pending is not None:  # nested: the outermost one journals
+                yield
+                return
+            self._pending = []
+            try:
+                yield
+            finally:
+                pending, self._pending = self._pending, None
+                if pending:
+                    self._journal_applied(pending)
+
+    def _journal_applied(self, updates: list[Update]) -> None:
+        """Append the updates applied under the lock as one record, then compact if due. If
+        the append fails, go back to the state the journal holds, and fail the request."""
+        record = (updates[0] if len(updates) == 1
+                  else Update(batch=dispatcher_pb2.UpdateBatch(updates=updates)))
+        try:
+            self._journal.append(record)
+        except Exception:
+            self._rebuild()
+            raise
         self._journal.maybe_compact(self._state)
+
+    def _rebuild(self) -> None:
+        """Become what the journal holds (a restart's state and soft state): updates were
+        applied that the journal does not hold, since its append failed."""
+        logger.error("the journal did not take a request's updates: the dispatcher's state "
+                     "goes back to what the journal holds, as after a restart")
+        dropped = self._soft.dropped_clients
+        self._state = recovery.replay(self._journal, reread=True)
+        self._soft = SoftState.restored(self._state, self._clock())
+        self._soft.dropped_clients = dropped
+        self._views = tasks.ClientViews()
+        self._effects = Effects(self._state, self._soft, self._apply, self._observe,
+                                self._clock, self._num_workers, self._gc_timeout_s)
 
     # ------------------------------------------------------------------ datasets
     @servicer_method
     @durable
     def GetOrRegisterDataset(self, request, context):
         definition = request.dataset
-        with self._lock:
+        with self._changes():
             validation.check_dependencies(self._state, definition)
             dataset_id = request.dataset_id
             if not dataset_id:
@@ -147,7 +202,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
     def GetOrCreateJob(self, request, context):
         config = request.config
         validation.check_version(request, "this client")
-        with self._lock:
+        with self._changes():
             dataset = self._state.dataset(config.dataset_id)
             validation.validate_job(config, dataset.definition,
                                     self._config.worker_addresses or ())
@@ -164,7 +219,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
     @durable
     def GetOrCreateIteration(self, request, context):
         now = self._clock()
-        with self._lock:
+        with self._changes():
             job = self._state.job(request.job_id)
             self._state.dataset(job.config.dataset_id)  # LookupError once an ephemeral is gone
             repetition = request.repetition
@@ -199,14 +254,14 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
     @servicer_method
     @durable
     def ClientHeartbeat(self, request, context):
-        with self._lock:
+        with self._changes():
             recovery.check_client(self._state, self._soft, self._journal.recovered_from,
                                   request.client_id)
             iteration = self._state.iteration_of_client(request.client_id)
             if coordinated.is_coordinated(self._state, iteration):
                 validation.check_consumer(request, self._state.job(iteration.job_id).config)
             handed_again = self._soft.back_from_silence(
-                request.client_id, iteration, self._clock(), self._worker_timeout_s)
+                request.client_id, iteration, self._clock(), self._client_timeout())
             self._record_delivered(iteration, request)
             self._soft.client_fenced[request.client_id] = frozenset(request.fenced_tasks)
             added: list[Update] = []
@@ -255,7 +310,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
     @servicer_method
     @durable
     def ReleaseIterationClient(self, request, context):
-        with self._lock:
+        with self._changes():
             if request.client_id in self._state.clients:
                 # What it received last is delivered: the splits it held are not read again.
                 self._record_delivered(self._state.iteration_of_client(request.client_id),
@@ -275,7 +330,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
     @durable
     def WorkerHeartbeat(self, request, context):
         address = request.worker_address
-        with self._lock:
+        with self._changes():
             worker = self._state.workers.get(address)
             pushes: list[Push] = []
             if liveness.leaves(worker, request):  # drained: hand back what it holds now
@@ -285,37 +340,41 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
                 logger.info("worker %s restarted; its old tasks are dropped", address)
                 pushes = self._effects.remove_worker(address)
                 worker = None
-            if request.leaving:
-                self._pusher.push(pushes)
-                return dispatcher_pb2.WorkerHeartbeatResponse()
-            if worker is None:
-                validation.check_worker(request)
-                validation.check_worker_limit(self._state, self._config.max_workers)
-                index = validation.worker_index(address, self._config.worker_addresses or ())
-                self._apply(Update(register_worker=dispatcher_pb2.RegisterWorker(
-                    worker_address=address, worker_uid=request.worker_uid, worker_index=index,
-                    host_id=request.host_id, process_id=request.process_id,
-                    data_port=request.data_port, data_socket=request.data_socket)))
-                logger.info("worker %s joined (index %d, %d executor process(es))", address,
-                            index, request.load.processes)
-                self._apply(*tasks.for_new_worker(self._state, address))
-            self._soft.worker_seen[address] = self._clock()
-            self._observe.worker(address, request.load, self._clock())
-            new, delete = tasks.worker_task_changes(self._state, address, request.current_tasks,
-                                                    self._num_workers)
-            response = dispatcher_pb2.WorkerHeartbeatResponse(
-                worker_index=self._state.workers[address].index, new_tasks=new,
-                tasks_to_delete=delete, next_heartbeat_ms=self._cadence.worker_ms,
-                held_version=affinity.note_report(self._state, self._soft, address, request))
-        self._pusher.push(pushes)
+            response = (dispatcher_pb2.WorkerHeartbeatResponse() if request.leaving
+                        else self._worker_beats(request, worker))
+        self._pusher.push(pushes)  # journaled now: outside `_changes`
         return response
+
+    def _worker_beats(self, request: dispatcher_pb2.WorkerHeartbeatRequest,
+                      worker: Worker | None) -> dispatcher_pb2.WorkerHeartbeatResponse:
+        """Register a new worker (its tasks too) and answer its heartbeat."""
+        address = request.worker_address
+        if worker is None:
+            validation.check_worker(request)
+            validation.check_worker_limit(self._state, self._config.max_workers)
+            index = validation.worker_index(address, self._config.worker_addresses or ())
+            self._apply(Update(register_worker=dispatcher_pb2.RegisterWorker(
+                worker_address=address, worker_uid=request.worker_uid, worker_index=index,
+                host_id=request.host_id, process_id=request.process_id,
+                data_port=request.data_port, data_socket=request.data_socket)))
+            logger.info("worker %s joined (index %d, %d executor process(es))", address,
+                        index, request.load.processes)
+            self._apply(*tasks.for_new_worker(self._state, address))
+        self._soft.worker_seen[address] = self._clock()
+        self._observe.worker(address, request.load, self._clock())
+        new, delete = tasks.worker_task_changes(self._state, address, request.current_tasks,
+                                                self._num_workers)
+        return dispatcher_pb2.WorkerHeartbeatResponse(
+            worker_index=self._state.workers[address].index, new_tasks=new,
+            tasks_to_delete=delete, next_heartbeat_ms=self._cadence.worker_ms,
+            held_version=affinity.note_report(self._state, self._soft, address, request))
 
     @servicer_method
     @durable
     def WorkerUpdate(self, request, context):
         created: list[Update] = []
         pushes: list[Push] = []
-        with self._lock:
+        with self._changes():
             for task_id in request.completed_tasks:
                 task = self._state.tasks.get(task_id)
                 if task is not None and not task.finished:
@@ -341,7 +400,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
 
     def _get_split(self, request: dispatcher_pb2.GetSplitRequest
                    ) -> dispatcher_pb2.GetSplitResponse:
-        with self._lock:
+        with self._changes():
             iteration = self._state.iteration(request.iteration_id)
             if iteration.garbage_collected:
                 return dispatcher_pb2.GetSplitResponse(end_of_splits=True)
@@ -411,7 +470,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         ephemeral datasets no job read in time."""
         now = self._clock()
         pushes: list[Push] = []
-        with self._lock:
+        with self._changes():
             self._cadence.update(len(self._state.workers), len(self._state.clients), now)
             for (kind, peer), when in self._cadence.take_refused_beats().items():
                 seen = self._soft.worker_seen if kind == "worker" else self._soft.client_seen

@@ -137,16 +137,18 @@ class SoftState:
     def back_from_silence(self, client_id: int, iteration: Iteration, now: float,
                           timeout_s: float) -> set[tuple[int, int]] | None:
         """A client heartbeats (before note_heartbeat): if it was silent for longer than
-        `timeout_s` (declared so, or not yet checked), the splits requeued meanwhile, and its
-        iteration no longer waits for its silent clients' holdings at the end (it keeps what
-        was not requeued, and acknowledges it as it takes it). None if it was not silent."""
+        `timeout_s` (the one liveness declares clients silent after: declared so, or not yet
+        checked), the splits requeued meanwhile, and its iteration no longer waits for its
+        silent clients' holdings at the end (it keeps what was not requeued, and acknowledges
+        it as it takes it). None if it was not silent."""
         log = self.requeue_log.get(iteration.iteration_id, [])
         mark, self.requeue_seen[client_id] = self.requeue_seen.get(client_id, 0), len(log)
         seen = self.client_seen.get(client_id, now)
         if client_id not in self.silent_clients and now - seen <= timeout_s:
             return None
         self.silent_clients.discard(client_id)
-        if not any(c in self.silent_clients for c in iteration.client_ids):
+        # The silent clients are few, the iteration's clients may be thousands.
+        if not any(c in iteration.client_ids for c in self.silent_clients):
             self.iterations_with_silent_clients.discard(iteration.iteration_id)
         return set(log[mark:])
 

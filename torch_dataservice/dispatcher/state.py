@@ -361,6 +361,13 @@ class DispatcherState:
         self.__dict__.clear()
         self.__dict__.update(other.__dict__)
 
+    def _apply_batch(self, u: dispatcher_pb2.UpdateBatch) -> None:
+        """One request's updates, journaled as one record (service.py), applied in order."""
+        for update in u.updates:
+            if update.WhichOneof("kind") in ("batch", "snapshot"):
+                raise InvalidTransition(f"a batch holds a {update.WhichOneof('kind')!r} update")
+            self.apply(update)
+
     def _apply_skip_ids(self, u: dispatcher_pb2.SkipIds) -> None:
         for kind in self.next_ids:
             self.next_ids[kind] += u.count

@@ -285,7 +285,7 @@ class GetSplitResponse(_message.Message):
     def __init__(self, split_index: _Optional[int] = ..., end_of_splits: _Optional[bool] = ..., skip: _Optional[int] = ..., skip_offsets: _Optional[_Iterable[int]] = ..., repetition: _Optional[int] = ..., following: _Optional[_Iterable[_Union[GetSplitResponse, _Mapping]]] = ..., split_cover_ms: _Optional[int] = ...) -> None: ...
 
 class Update(_message.Message):
-    __slots__ = ("register_dataset", "register_worker", "create_job", "create_iteration", "produce_split", "create_task", "finish_task", "acquire_client", "release_client", "garbage_collect_iteration", "remove_worker", "requeue_split", "snapshot", "record_delivered", "split_produced", "remove_round_tasks", "remove_dataset", "skip_ids")
+    __slots__ = ("register_dataset", "register_worker", "create_job", "create_iteration", "produce_split", "create_task", "finish_task", "acquire_client", "release_client", "garbage_collect_iteration", "remove_worker", "requeue_split", "snapshot", "record_delivered", "split_produced", "remove_round_tasks", "remove_dataset", "skip_ids", "batch")
     REGISTER_DATASET_FIELD_NUMBER: _ClassVar[int]
     REGISTER_WORKER_FIELD_NUMBER: _ClassVar[int]
     CREATE_JOB_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +304,7 @@ class Update(_message.Message):
     REMOVE_ROUND_TASKS_FIELD_NUMBER: _ClassVar[int]
     REMOVE_DATASET_FIELD_NUMBER: _ClassVar[int]
     SKIP_IDS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     register_dataset: RegisterDataset
     register_worker: RegisterWorker
     create_job: CreateJob
@@ -322,7 +323,14 @@ class Update(_message.Message):
     remove_round_tasks: RemoveRoundTasks
     remove_dataset: RemoveDataset
     skip_ids: SkipIds
-    def __init__(self, register_dataset: _Optional[_Union[RegisterDataset, _Mapping]] = ..., register_worker: _Optional[_Union[RegisterWorker, _Mapping]] = ..., create_job: _Optional[_Union[CreateJob, _Mapping]] = ..., create_iteration: _Optional[_Union[CreateIteration, _Mapping]] = ..., produce_split: _Optional[_Union[ProduceSplit, _Mapping]] = ..., create_task: _Optional[_Union[CreateTask, _Mapping]] = ..., finish_task: _Optional[_Union[FinishTask, _Mapping]] = ..., acquire_client: _Optional[_Union[AcquireClient, _Mapping]] = ..., release_client: _Optional[_Union[ReleaseClient, _Mapping]] = ..., garbage_collect_iteration: _Optional[_Union[GarbageCollectIteration, _Mapping]] = ..., remove_worker: _Optional[_Union[RemoveWorker, _Mapping]] = ..., requeue_split: _Optional[_Union[RequeueSplit, _Mapping]] = ..., snapshot: _Optional[_Union[StateSnapshot, _Mapping]] = ..., record_delivered: _Optional[_Union[RecordDelivered, _Mapping]] = ..., split_produced: _Optional[_Union[SplitProduced, _Mapping]] = ..., remove_round_tasks: _Optional[_Union[RemoveRoundTasks, _Mapping]] = ..., remove_dataset: _Optional[_Union[RemoveDataset, _Mapping]] = ..., skip_ids: _Optional[_Union[SkipIds, _Mapping]] = ...) -> None: ...
+    batch: UpdateBatch
+    def __init__(self, register_dataset: _Optional[_Union[RegisterDataset, _Mapping]] = ..., register_worker: _Optional[_Union[RegisterWorker, _Mapping]] = ..., create_job: _Optional[_Union[CreateJob, _Mapping]] = ..., create_iteration: _Optional[_Union[CreateIteration, _Mapping]] = ..., produce_split: _Optional[_Union[ProduceSplit, _Mapping]] = ..., create_task: _Optional[_Union[CreateTask, _Mapping]] = ..., finish_task: _Optional[_Union[FinishTask, _Mapping]] = ..., acquire_client: _Optional[_Union[AcquireClient, _Mapping]] = ..., release_client: _Optional[_Union[ReleaseClient, _Mapping]] = ..., garbage_collect_iteration: _Optional[_Union[GarbageCollectIteration, _Mapping]] = ..., remove_worker: _Optional[_Union[RemoveWorker, _Mapping]] = ..., requeue_split: _Optional[_Union[RequeueSplit, _Mapping]] = ..., snapshot: _Optional[_Union[StateSnapshot, _Mapping]] = ..., record_delivered: _Optional[_Union[RecordDelivered, _Mapping]] = ..., split_produced: _Optional[_Union[SplitProduced, _Mapping]] = ..., remove_round_tasks: _Optional[_Union[RemoveRoundTasks, _Mapping]] = ..., remove_dataset: _Optional[_Union[RemoveDataset, _Mapping]] = ..., skip_ids: _Optional[_Union[SkipIds, _Mapping]] = ..., batch: _Optional[_Union[UpdateBatch, _Mapping]] = ...) -> None: ...
+
+class UpdateBatch(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[Update]
+    def __init__(self, updates: _Optional[_Iterable[_Union[Update, _Mapping]]] = ...) -> None: ...
 
 class SkipIds(_message.Message):
     __slots__ = ("count",)
