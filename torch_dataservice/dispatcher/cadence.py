@@ -114,7 +114,7 @@ class Cadence:
 
     def __init__(self, budget_rps: float, max_pending: int) -> None:
         """DispatcherConfig.heartbeat_budget_rps and max_pending_rpcs (the dispatcher has
-        32 handler threads, dispatcher/server.py)."""
+        8 handler threads, dispatcher/server.py: past them, the wait for one is the bound)."""
         self.budget_rps, self.max_pending = budget_rps, max_pending
         self._lock = threading.Lock()
         self.pending = 0

@@ -27,13 +27,16 @@ logger = logging.getLogger(__name__)
 DISPATCHER_SERVICE_NAME = "torch_dataservice.v1.DispatcherService"
 REQUEST_OVERHEAD_BYTES = 1 << 20
 # Its handlers share one lock and the GIL: more threads add no CPU, only a convoy whose wait
-# no handler sees. Enough to batch journal fsyncs (group commit); past them, requests wait in
-# the executor's queue, where admission sees how long (dispatcher/cadence.py).
-HANDLER_THREADS = 32
-# Requests waiting beyond the handler threads, in gRPC's core and in the threads' queue: a few
-# ms of work each, so a request accepted waits tens of ms, not seconds; past these gRPC
+# no handler sees. Enough to batch journal fsyncs (group commit: an fsync takes ~0.1 ms);
+# past them, requests wait in the executor's queue, where admission sees how long
+# (dispatcher/cadence.py). At 1,000 workers + 4,096 readers, journaled, 8 threads answered
+# 90-92% of the offered RPCs at 0.75-0.79 core, GetSplit p99 134-238 ms; 32 threads 75-87%
+# at 0.86-0.87 core, p99 417-841 ms (benchmarks/dispatcher_capacity.py, same session).
+HANDLER_THREADS = 8
+# Requests waiting beyond the handler threads, in gRPC's core and in the threads' queue: a
+# ms or so of work each, so a request accepted waits tens of ms, not seconds; past these gRPC
 # answers them itself (serving.Queue; peers back off: errors.retry_after_ms, RETRYABLE_CODES).
-QUEUE = Queue(pending=16, pending_hard=64, pending_s=1, max_concurrent=2 * HANDLER_THREADS)
+QUEUE = Queue(pending=16, pending_hard=64, pending_s=1, max_concurrent=64)
 
 
 def _open_journal(config: DispatcherConfig) -> Journal:
