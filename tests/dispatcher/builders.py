@@ -201,11 +201,18 @@ def history() -> list[Update]:
 
 # ---------------------------------------------------------------------- a service driven by hand
 def replayed(work_dir: Path) -> list[Update]:
+    """The journal's records (a request's updates are one `batch` record)."""
     journal = FileJournal(work_dir)
     try:
         return list(journal.replay())
     finally:
         journal.close()
+
+
+def replayed_updates(work_dir: Path) -> list[Update]:
+    """Every update the journal holds, in order, batches opened."""
+    return [u for record in replayed(work_dir)
+            for u in (record.batch.updates if record.HasField("batch") else [record])]
 
 
 def register_epoch(service: DispatcherService) -> tuple[int, int]:

@@ -1,11 +1,17 @@
 """A big fleet's bookkeeping with no servers: what one dead worker or one settled split costs
 does not grow with the iteration's readers and tasks, and the splits a silent reader missed
 are still told to it (and only to it). Costs are the test thread's CPU time (the service runs
-in it): the process's would count what other tests left running in this process too."""
+in it): the process's would count what other tests left running in this process too. The
+garbage collector is off while a cost is measured (as timeit does): a full collection scans
+the whole process's heap, other tests' leftovers included, and lands in whichever run it
+happens to (0.15 s once in a full suite run)."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -21,6 +27,19 @@ from torch_dataservice.proto import dispatcher_pb2
 
 pb = dispatcher_pb2
 
+
+
+@contextlib.contextmanager
+def _measured(costs: list[float]) -> Iterator[None]:
+    """Append the CPU seconds this thread spends in the block, collector off, to `costs`."""
+    gc.collect()
+    gc.disable()
+    began = time.thread_time()
+    try:
+        yield
+    finally:
+        costs.append(time.thread_time() - began)
+        gc.enable()
 
 def _join(service, iteration_id: int, clients: int) -> list[int]:
     job_id = service.state.iteration(iteration_id).job_id
@@ -60,17 +79,17 @@ def _requeue_cpu_s(workers: int, readers: int) -> tuple[float, float]:
             service.ClientHeartbeat(request, None)
 
     beat()
-    began = time.thread_time()
-    service.check_liveness()
-    requeue = time.thread_time() - began
+    costs: list[float] = []
+    with _measured(costs):
+        service.check_liveness()
     assert addresses[0] not in service.state.workers
     assert len(service.state.iteration(iteration_id).requeued) == 256
     beat()  # the readers' reports are in: the requeued splits may go
-    began = time.thread_time()
-    handed = _take(service, iteration_id, task_of(service, iteration_id, addresses[1]), 256)
-    rehand = time.thread_time() - began
+    with _measured(costs):
+        handed = _take(service, iteration_id, task_of(service, iteration_id, addresses[1]), 256)
     assert not service.state.iteration(iteration_id).requeued and len(set(handed)) == 256
     service.close()
+    requeue, rehand = costs
     return requeue, rehand
 
 
@@ -105,9 +124,10 @@ def _waiting_hand_out_cpu_s(workers: int, readers: int) -> float:
     service.check_liveness()  # addresses[0] is dead: its splits wait
     for client_id in client_ids[:-1]:  # every reader but the last reports since
         service.ClientHeartbeat(client_request(service, client_id), None)
-    began = time.thread_time()
-    _take(service, iteration_id, task_of(service, iteration_id, addresses[1]), 2000)
-    cost = time.thread_time() - began
+    costs: list[float] = []
+    with _measured(costs):
+        _take(service, iteration_id, task_of(service, iteration_id, addresses[1]), 2000)
+    cost = costs[0]
     assert len(service.state.iteration(iteration_id).requeued) == len(lost)  # still waiting
     service.ClientHeartbeat(client_request(service, client_ids[-1]), None)
     again = _take(service, iteration_id, task_of(service, iteration_id, addresses[1]), 1)

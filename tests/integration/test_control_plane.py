@@ -17,11 +17,11 @@ import pytest
 
 import torch_dataservice as tds
 from tests.conftest import subprocess_env, wait_until
+from tests.dispatcher.builders import replayed_updates
 from tests.observability.test_metrics import scrape
 from torch_dataservice import rpc
 from torch_dataservice.client.membership import Membership
 from torch_dataservice.dispatcher import server as dispatcher_server
-from torch_dataservice.dispatcher.file_journal import FileJournal
 from torch_dataservice.errors import GRPC_REFUSAL_RETRY_AFTER_MS
 from torch_dataservice.observability.status_text import as_text
 from torch_dataservice.policies import ShardingPolicy
@@ -213,12 +213,13 @@ def test_requests_wait_in_grpcs_core_only_as_long_as_the_queue_allows(queue) -> 
                               env=subprocess_env())
     try:
         assert caller.stdout.readline().strip() == "ready"
-        caller.stdin.write("go\n")
-        caller.stdin.flush()
-        time.sleep(0.3)  # the requests are sent
         interval = sys.getswitchinterval()
         sys.setswitchinterval(100)
         try:
+            # Starved before the requests are sent (a sleep here let the server's Python
+            # serve some first: a flaky count of drops), and for 2.5 s while they arrive.
+            caller.stdin.write("go\n")
+            caller.stdin.flush()
             end = time.monotonic() + 2.5
             while time.monotonic() < end:  # keeps the GIL: gRPC's server thread waits
                 pass
@@ -265,14 +266,8 @@ def test_acknowledgements_reach_the_journal_as_ranges_and_the_read_is_exactly_on
     cluster = cluster_factory(num_workers=2, fault_tolerant_mode=True, work_dir=str(tmp_path))
     assert_exactly_once(read_together(cluster.target, "ranges", readers=3))
     cluster.stop()
-    journal = FileJournal(tmp_path)
-    try:
-        updates = [u for record in journal.replay()  # a request's updates: one record
-                   for u in (record.batch.updates if record.HasField("batch") else [record])]
-        reports = [r for u in updates if u.WhichOneof("kind") == "record_delivered"
-                   for r in u.record_delivered.splits]
-    finally:
-        journal.close()
+    reports = [r for u in replayed_updates(tmp_path) if u.WhichOneof("kind") == "record_delivered"
+               for r in u.record_delivered.splits]
     assert reports and all(r.offset_ranges and not r.offsets for r in reports)
     acknowledged = sum(b - a for r in reports
                        for a, b in zip(r.offset_ranges[::2], r.offset_ranges[1::2], strict=True))

@@ -16,7 +16,7 @@ import pytest
 
 import torch_dataservice as tds
 from tests.conftest import free_port, wait_until
-from tests.dispatcher.builders import replayed
+from tests.dispatcher.builders import replayed_updates
 from torch_dataservice import version
 from torch_dataservice.proto import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
 from torch_dataservice.rpc import channel_to
@@ -212,7 +212,7 @@ def test_real_workers_report_what_they_hold_before_their_first_ask(tmp_path) -> 
         task_worker = {t.task_id: t.worker_address for t in service.state.tasks.values()}
         holder = {w.address: held[i][dataset_id] for i, w in enumerate(workers)}
         server.stop()  # the journal says which task each split went to
-        produced = [u.produce_split for u in replayed(tmp_path)
+        produced = [u.produce_split for u in replayed_updates(tmp_path)
                     if u.HasField("produce_split") and u.produce_split.split_index >= 0]
         assert len(produced) == N
         # A worker takes every split it holds before any other (it takes others' only when it
