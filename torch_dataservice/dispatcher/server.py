@@ -30,7 +30,7 @@ REQUEST_OVERHEAD_BYTES = 1 << 20
 # no handler sees. Enough to batch journal fsyncs (group commit: an fsync takes ~0.1 ms);
 # past them, requests wait in the executor's queue, where admission sees how long
 # (dispatcher/cadence.py). At 1,000 workers + 4,096 readers, journaled, 8 threads answered
-# 90-92% of the offered RPCs at 0.75-0.79 core, GetSplit p99 134-238 ms; 32 threads 75-87%
+# 90-92% of the offered RPCs at 0.75-0.81 core, GetSplit p99 134-268 ms; 32 threads 75-87%
 # at 0.86-0.87 core, p99 417-841 ms (benchmarks/dispatcher_capacity.py, same session).
 HANDLER_THREADS = 8
 # Requests waiting beyond the handler threads, in gRPC's core and in the threads' queue: a
