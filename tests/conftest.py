@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing.process
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -41,11 +42,36 @@ HOST = "127.0.0.1"
 SERVE_DEADLINE_S = 60.0  # a loaded CI machine imports torch slowly
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to outgoing connections (Linux: 32768 by default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            return int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_ports = random.Random()  # seeded from the OS: xdist's processes draw apart
+
+
 def free_port() -> int:
-    """A port nothing listens on right now (bound to 0 on 127.0.0.1, then closed)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
+    """A port nothing is bound to right now, below the kernel's ephemeral range.
+
+    A server started with it binds seconds later (it imports torch first). A port from the
+    ephemeral range (what binding port 0 gives) may meanwhile become the source port of an
+    outgoing connection of another test, and the server fails with "Address already in use"
+    (seen in a full suite run); below the range only another bind can take it.
+    """
+    high = max(2048, _ephemeral_low())
+    for _ in range(200):
+        port = _ports.randrange(max(1024, high - 12000), high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((HOST, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {high} in 200 tries")
 
 
 def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str,
