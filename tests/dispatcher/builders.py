@@ -209,10 +209,18 @@ def replayed(work_dir: Path) -> list[Update]:
         journal.close()
 
 
+def updates_of(record: Update) -> list[Update]:
+    """The updates a journal record holds (a request's several updates are one record)."""
+    return list(record.batch.updates) if record.HasField("batch") else [record]
+
+
+def kinds_of(record: Update) -> list[str | None]:
+    return [u.WhichOneof("kind") for u in updates_of(record)]
+
+
 def replayed_updates(work_dir: Path) -> list[Update]:
     """Every update the journal holds, in order, batches opened."""
-    return [u for record in replayed(work_dir)
-            for u in (record.batch.updates if record.HasField("batch") else [record])]
+    return [u for record in replayed(work_dir) for u in updates_of(record)]
 
 
 def register_epoch(service: DispatcherService) -> tuple[int, int]:

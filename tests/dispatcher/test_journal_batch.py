@@ -14,8 +14,10 @@ from tests.dispatcher.builders import (
     build,
     client_request,
     heartbeat_worker,
+    kinds_of,
     make_service,
     replayed,
+    replayed_updates,
     start_epoch,
     task_of,
 )
@@ -35,12 +37,6 @@ def _records(work_dir: Path) -> list[Update]:
     records, damage = scan_records(log)
     assert damage is None
     return [Update.FromString(record) for record in records]
-
-
-def _kinds(record: Update) -> list[str | None]:
-    if record.WhichOneof("kind") == "batch":
-        return [u.WhichOneof("kind") for u in record.batch.updates]
-    return [record.WhichOneof("kind")]
 
 
 def _ask(service: DispatcherService, iteration_id: int, task_id: int, request_id: int,
@@ -97,8 +93,8 @@ def test_a_get_split_that_reports_and_is_handed_splits_appends_one_record(
     before = len(_records(tmp_path))
     again = _ask(service, iteration_id, task, 2, handed)
     records = _records(tmp_path)[before:]
-    assert len(records) == 1, [_kinds(r) for r in records]
-    assert _kinds(records[0]) == ["split_produced"] * 4 + ["produce_split"] * 4
+    assert len(records) == 1, [kinds_of(r) for r in records]
+    assert kinds_of(records[0]) == ["split_produced"] * 4 + ["produce_split"] * 4
     iteration = service.state.iteration(iteration_id)
     assert iteration.produced == dict.fromkeys(handed, 10)
     assert set(iteration.delivered) == set(handed) | set(again)
@@ -116,7 +112,7 @@ def test_replaying_batched_records_restores_what_the_dispatcher_had(tmp_path: Pa
     iteration = service.state.iteration(iteration_id)
     assert iteration.produced and iteration.delivered and not iteration.requeued  # exercised
     batches = [r for r in _records(tmp_path) if r.WhichOneof("kind") == "batch"]
-    assert any("requeue_split" in _kinds(r) for r in batches)  # the liveness pass: one record
+    assert any("requeue_split" in kinds_of(r) for r in batches)  # the liveness pass: one record
     live = service.state
     service.close()
     assert build(*replayed(tmp_path)) == live
@@ -134,9 +130,7 @@ def test_a_journal_of_one_record_per_update_still_replays(tmp_path: Path) -> Non
     _traffic(service, clock)
     live = service.state
     service.close()
-    updates = [u for record in replayed(tmp_path / "new")
-               for u in (record.batch.updates if record.WhichOneof("kind") == "batch"
-                         else [record])]
+    updates = replayed_updates(tmp_path / "new")
     old = FileJournal(tmp_path / "old")
     for update in updates:
         old.append(update)

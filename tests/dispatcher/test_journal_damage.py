@@ -21,6 +21,7 @@ from tests.dispatcher.builders import (
     Clock,
     Context,
     build,
+    kinds_of,
     make_service,
     replayed,
     start_epoch,
@@ -61,13 +62,6 @@ def _flip_record(path: Path, number: int) -> int:
     data[offset + HEADER.size + 2] ^= 0xFF
     path.write_bytes(bytes(data))
     return offset
-
-
-def _kinds(update: Update) -> list[str | None]:
-    """The kinds of updates a record holds (a request's several updates are one record)."""
-    if update.WhichOneof("kind") == "batch":
-        return [u.WhichOneof("kind") for u in update.batch.updates]
-    return [update.WhichOneof("kind")]
 
 
 def _journal(work_dir: Path) -> Path:
@@ -156,7 +150,7 @@ def test_readers_of_an_iteration_cut_by_recovery_get_an_error_not_data_again(
         # what it handed out after does not.
         log = _journal(tmp_path) / "log_0"
         created = next(i for i, record in enumerate(scan_records(log)[0])
-                       if "create_iteration" in _kinds(Update.FromString(record)))
+                       if "create_iteration" in kinds_of(Update.FromString(record)))
         _flip_record(log, created + 1)
         dispatcher = tds.DispatchServer(_config(tmp_path, port=port,
                                                 journal_recovery="truncate"))

@@ -28,7 +28,6 @@ from torch_dataservice.proto import dispatcher_pb2
 pb = dispatcher_pb2
 
 
-
 @contextlib.contextmanager
 def _measured(costs: list[float]) -> Iterator[None]:
     """Append the CPU seconds this thread spends in the block, collector off, to `costs`."""
@@ -40,6 +39,7 @@ def _measured(costs: list[float]) -> Iterator[None]:
     finally:
         costs.append(time.thread_time() - began)
         gc.enable()
+
 
 def _join(service, iteration_id: int, clients: int) -> list[int]:
     job_id = service.state.iteration(iteration_id).job_id
