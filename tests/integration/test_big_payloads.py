@@ -4,6 +4,7 @@ in order over the TCP data port and the Unix socket, compressed or not."""
 from __future__ import annotations
 
 import sys
+import threading
 
 import cloudpickle
 import pytest
@@ -48,3 +49,31 @@ def test_compressed_big_batches_arrive_whole(cluster_factory) -> None:
     received = list(pipeline)
     assert [int(t[0]) for t in received] == [1, 2, 3, 4]
     assert all(bool((t == t[0]).all()) and t.numel() == HUGE for t in received)
+
+
+def test_a_second_fetch_starts_while_big_payloads_stream_and_order_holds(
+        cluster_factory, monkeypatch) -> None:
+    """Pipelined fetches (client/reader.py): once a reply's header announces big payloads, the
+    task's next fetch goes out while they stream in; elements still come in the worker's
+    order."""
+    from torch_dataservice.client import data_port
+
+    fetch = data_port.Connection.fetch
+    lock, now, most = threading.Lock(), [0], [0]
+
+    def counted(self, request, on_header=None):
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        try:
+            return fetch(self, request, on_header)
+        finally:
+            with lock:
+                now[0] -= 1
+
+    monkeypatch.setattr(data_port.Connection, "fetch", counted)
+    cluster = cluster_factory(num_workers=1, num_processes=1)
+    pipeline = tds.Pipeline.range(8).map(huge).apply(tds.distribute(
+        "parallel_epochs", cluster.target, compression=None, target_workers="ANY"))
+    assert [int(t[0]) for t in pipeline] == list(range(1, 9))
+    assert most[0] == 2  # two at once, never more

@@ -35,9 +35,9 @@ def paths(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     pool_fetch = client.DataPortPool.fetch
     assemble = frame.assemble_frame
 
-    def spy_pool(self, target, request):
+    def spy_pool(self, target, request, on_header=None):
         taken.append(target[0])
-        return pool_fetch(self, target, request)
+        return pool_fetch(self, target, request, on_header)
 
     def spy_assemble(messages):
         taken.append("grpc")

@@ -94,8 +94,8 @@ def data_port_payloads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple, lis
     replies: list[tuple[tuple, list[int]]] = []
     real = reader_module.DataPortPool.fetch
 
-    def recording(self: Any, target: tuple, request: Any) -> Any:
-        header, payloads = real(self, target, request)
+    def recording(self: Any, target: tuple, request: Any, on_header: Any = None) -> Any:
+        header, payloads = real(self, target, request, on_header)
         replies.append((target, [memoryview(p).nbytes for p in payloads]))
         return header, payloads
 

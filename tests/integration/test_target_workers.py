@@ -44,9 +44,9 @@ def data_port_targets(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
     targets: list[tuple] = []
     real = reader_module.DataPortPool.fetch
 
-    def recording(self, target, request):
+    def recording(self, target, request, on_header=None):
         targets.append(target)
-        return real(self, target, request)
+        return real(self, target, request, on_header)
 
     monkeypatch.setattr(reader_module.DataPortPool, "fetch", recording)
     return targets

@@ -22,6 +22,7 @@ import os
 import socket
 import ssl
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -66,6 +67,7 @@ OWN_BUFFER_BYTES = 64 << 10
 _RECV_BUFFER = 256 << 10
 
 Target = tuple  # ("unix", path) or ("tcp", host, port)
+OnHeader = Callable[[worker_pb2.ElementBatchHeader], None]
 
 
 class DataPortError(RuntimeError):
@@ -120,8 +122,10 @@ class Connection:
     def close(self) -> None:
         self._sock.close()
 
-    def fetch(self, request: worker_pb2.GetElementsRequest
+    def fetch(self, request: worker_pb2.GetElementsRequest, on_header: OnHeader | None = None
               ) -> tuple[worker_pb2.ElementBatchHeader, list[Any]]:
+        """The reply to `request`; `on_header(header)` runs once the header is in, before
+        the payloads are read."""
         data = request.SerializeToString()
         self._sock.sendall(LENGTH.pack(len(data)) + data)
         status, length = STATUS_LENGTH.unpack(self._read(STATUS_LENGTH.size))
@@ -133,6 +137,8 @@ class Connection:
                 raise WorkerUnavailableError(message)
             raise DataPortError(message)
         header = worker_pb2.ElementBatchHeader.FromString(bytes(self._read(length)))
+        if on_header is not None:
+            on_header(header)
         payloads: list[Any] = []
         for info in header.elements:
             if info.size < OWN_BUFFER_BYTES:
@@ -204,7 +210,8 @@ class DataPortPool:
         self._idle: dict[Target, list[Connection]] = {}
         self._closed = False
 
-    def fetch(self, target: Target, request: worker_pb2.GetElementsRequest
+    def fetch(self, target: Target, request: worker_pb2.GetElementsRequest,
+              on_header: OnHeader | None = None
               ) -> tuple[worker_pb2.ElementBatchHeader, list[Any]]:
         with self._lock:
             idle = self._idle.get(target)
@@ -212,7 +219,7 @@ class DataPortPool:
         if connection is None:
             connection = Connection(target)
         try:
-            result = connection.fetch(request)
+            result = connection.fetch(request, on_header)
         except (LookupError, WorkerUnavailableError):
             self._give_back(target, connection)  # a complete reply: the connection is fine
             raise

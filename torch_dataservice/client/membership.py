@@ -16,13 +16,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
 
 from torch_dataservice import version
-from torch_dataservice.client.delivery import Delivery
+from torch_dataservice.client.delivery import Batch, Delivery
 from torch_dataservice.client.transports import task_groups
 from torch_dataservice.errors import ReaderReleasedError, is_retryable
 from torch_dataservice.policies import TargetWorkers
@@ -40,10 +40,28 @@ JOIN_TIMEOUT_S = 10
 @dataclass
 class TaskState:
     info: common_pb2.TaskInfo
-    in_use: bool = False
+    in_use: int = 0  # fetches in flight: at most two (client/reader.py, pipelined fetches)
     ended: bool = False
     retry_at: float = 0.0
     failures: int = 0
+    # Pipelined fetches: the fetches started, the one whose reply header allows the next
+    # fetch to start before it ends (-1: none), the first not yet handed to the consumer, and
+    # the batches of later ones that ended first (queued in the order the fetches started).
+    started: int = 0
+    header_came: int = -1
+    next_to_queue: int = 0
+    ended_early: dict[int, Batch | None] = field(default_factory=dict)
+
+    def fetch_ended(self, ticket: int, batch: Batch | None) -> list[Batch | None]:
+        """Fetch `ticket` ended with `batch`: the batches now due to the consumer, in the
+        order their fetches started (none while a fetch started before it is in flight)."""
+        self.in_use -= 1
+        self.ended_early[ticket] = batch
+        due = []
+        while self.next_to_queue in self.ended_early:
+            due.append(self.ended_early.pop(self.next_to_queue))
+            self.next_to_queue += 1
+        return due
 
 
 class RoundsHooks(Protocol):

@@ -27,6 +27,7 @@ pause, not yet reported.
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import logging
 import queue
@@ -68,6 +69,10 @@ UNKNOWN_TASK_BACKOFF_S = 0.02
 IDLE_WAIT_S = 0.5
 DEFAULT_MAX_OUTSTANDING = 4
 PAUSE_S = 5 * HEARTBEAT_INTERVAL_S  # no heartbeat answered for this long: a pause
+# A reply bringing this many payload bytes lets its task's next fetch start as soon as its
+# header is in: a second request's round trip and the worker's take overlap the payloads'
+# transfer (one fetch per task at a time left a 9.6 MB batch's link idle between replies).
+PIPELINE_BYTES = 1 << 20
 
 
 class IterationReader:
@@ -168,14 +173,17 @@ class IterationReader:
 
     # ------------------------------------------------------------------ fetching
     def _pick_task(self) -> TaskState | None:
-        """A task to fetch from: round robin within the best group that has one free."""
+        """A task to fetch from: round robin within the best group that has one free, else
+        one whose fetch in flight brings big payloads (a second fetch, `_may_follow`)."""
         now = time.monotonic()
         start = next(self._next_task)
-        for group in self._membership.task_order:
-            for i in range(len(group)):
-                state = self._membership.tasks[group[(start + i) % len(group)]]
-                if not state.in_use and not state.ended and state.retry_at <= now:
-                    return state
+        for free in (True, False):
+            for group in self._membership.task_order:
+                for i in range(len(group)):
+                    state = self._membership.tasks[group[(start + i) % len(group)]]
+                    if (not state.ended and state.retry_at <= now
+                            and (not state.in_use if free else _may_follow(state))):
+                        return state
         return None
 
     def _fetch_loop(self) -> None:
@@ -188,17 +196,37 @@ class IterationReader:
                     self._membership.lock.wait(self._idle_wait_s())
                     self._slots.release()
                     continue
-                state.in_use = True
+                state.in_use += 1
+                ticket = state.started
+                state.started += 1
                 self._in_flight += 1
             batch: Batch | None = None
             try:
-                batch = self._fetch(state)
+                batch = self._fetch(state, ticket=ticket)
             except Exception as error:  # raised by an in-process worker: the consumer's now
                 self._membership.fail(error)
             finally:
-                with self._membership.lock:
-                    state.in_use = False
-                self._end_fetch(batch)
+                self._end_task_fetch(state, ticket, batch)
+
+    def _end_task_fetch(self, state: TaskState, ticket: int, batch: Batch | None) -> None:
+        """Hand fetch `ticket`'s batch on in the order the task's fetches started: one that
+        ended before the fetch started ahead of it waits for that one."""
+        with self._membership.lock:
+            due = state.fetch_ended(ticket, batch)
+        for each in due:
+            self._end_fetch(each)
+
+    def _header_came(self, state: TaskState, ticket: int,
+                     header: worker_pb2.ElementBatchHeader) -> None:
+        """Fetch `ticket`'s reply header is in: if it brings big payloads, the task's next
+        fetch may start while they stream (the worker took its elements already, so order
+        holds); one waiting fetch thread is woken for it."""
+        if (header.end_of_sequence or header.has_error
+                or sum(info.size for info in header.elements) < PIPELINE_BYTES):
+            return
+        with self._membership.lock:
+            state.header_came = ticket
+            self._membership.lock.notify()
 
     def _idle_wait_s(self) -> float:
         """How long a fetch thread that found no task waits (under the lock): until the first
@@ -226,7 +254,8 @@ class IterationReader:
                 self._slots.release()
             self._membership.lock.notify()  # its task is free again: one waiter may take it
 
-    def _fetch(self, state: TaskState, round_index: int | None = None) -> Batch | None:
+    def _fetch(self, state: TaskState, round_index: int | None = None,
+               ticket: int | None = None) -> Batch | None:
         request = worker_pb2.GetElementsRequest(
             task_id=state.info.task_id, client_id=self.client_id,
             max_elements=FETCH_MAX_ELEMENTS, max_bytes=FETCH_MAX_BYTES,
@@ -241,7 +270,11 @@ class IterationReader:
             transport = self._transports[state.info.task_id] = transports.choose(
                 state.info, self._target_workers, self._data_ports, bool(self._trainer_id))
         try:
-            header, payloads = transport.fetch(request)
+            if ticket is not None and isinstance(transport, transports.DataPortTransport):
+                header, payloads = transport.fetch_pipelined(
+                    request, functools.partial(self._header_came, state, ticket))
+            else:
+                header, payloads = transport.fetch(request)
         except grpc.RpcError as error:
             if is_retryable(error) or error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 state.failures += 1
@@ -437,3 +470,9 @@ _readers: weakref.WeakSet[IterationReader] = weakref.WeakSet()
 @atexit.register
 def _close_readers() -> None:
     close_and_join(list(_readers), EXIT_JOIN_S)
+
+
+def _may_follow(state: TaskState) -> bool:
+    """A second fetch of `state`'s task may start: its one fetch in flight is the last one
+    started, and its header said it brings big payloads (`IterationReader._header_came`)."""
+    return state.in_use == 1 and state.header_came == state.started - 1

@@ -35,7 +35,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from torch_dataservice import auth, fork_gate
-from torch_dataservice.client.data_port import DataPortPool, WorkerUnavailableError
+from torch_dataservice.client.data_port import DataPortPool, OnHeader, WorkerUnavailableError
 from torch_dataservice.policies import TargetWorkers
 from torch_dataservice.proto import common_pb2, worker_pb2
 from torch_dataservice.rpc import WORKER_SERVICE_NAME, channel_to
@@ -105,7 +105,8 @@ class InProcess:
 
 
 class DataPortTransport:
-    """Each big payload arrives in a buffer of its own: the tensors' memory."""
+    """Each big payload arrives in a buffer of its own: the tensors' memory. `on_header`
+    (`fetch_pipelined`) lets the reader start its next fetch while the payloads stream in."""
 
     network = True
     borrow = True
@@ -116,6 +117,10 @@ class DataPortTransport:
 
     def fetch(self, request: worker_pb2.GetElementsRequest) -> tuple[Any, list]:
         return self._pool.fetch(self.target, request)
+
+    def fetch_pipelined(self, request: worker_pb2.GetElementsRequest,
+                        on_header: OnHeader) -> tuple[Any, list]:
+        return self._pool.fetch(self.target, request, on_header)
 
 
 class GrpcStream:
