@@ -6,7 +6,10 @@ exactly-once bookkeeping under DYNAMIC (client/delivery.py) and, for coordinated
 rounds protocol (client/rounds.py). Here: fetch threads, at most `max_outstanding_requests`,
 each take a task round-robin (local tasks first under target_workers "AUTO"), ask its worker
 for a batch of elements and queue it; a slot is only freed when the consumer has taken the
-whole batch, so memory stays bounded by `max_outstanding_requests` fetches. Elements are
+whole batch, so memory stays bounded by `max_outstanding_requests` fetches. A task has one
+fetch in flight, or two once the reply's header announces big payloads (PIPELINE_BYTES): the
+next request then travels while the payloads stream in, and batches are handed on in the
+order their fetches started, so a task's elements keep the worker's order. Elements are
 decoded in the consumer's thread. Coordinated reads use the one rounds thread instead.
 
 target_workers: "LOCAL" reads only workers on this host; "AUTO" means LOCAL under static
