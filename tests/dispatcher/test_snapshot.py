@@ -273,6 +273,45 @@ def _write_snapshot_file(work_dir: Path, payload: bytes) -> None:
     (directory / "snapshot_1").write_bytes(encode_record(update.SerializeToString()))
 
 
+def _as_version_3(message: snapshot_pb2.DispatcherSnapshot) -> None:
+    """Rewrite `message` as schema 3 wrote it: delivered, produced and task splits as one
+    message per split, no columns."""
+    S = snapshot_pb2.DispatcherSnapshot
+    message.schema_version = 3
+    for it in message.iterations:
+        position = 0
+        for repetition, index, count in zip(it.delivered_repetitions, it.delivered_indices,
+                                            it.delivered_offset_counts, strict=True):
+            it.delivered.add(split=common_pb2.SplitKey(repetition=repetition, index=index),
+                             offsets=it.delivered_offsets[position:position + count])
+            position += count
+        for repetition, index, n in zip(it.produced_repetitions, it.produced_indices,
+                                        it.produced_elements, strict=True):
+            it.produced.append(S.ProducedSplit(
+                split=common_pb2.SplitKey(repetition=repetition, index=index), num_elements=n))
+        for name in ("delivered_repetitions", "delivered_indices", "delivered_offset_counts",
+                     "delivered_offsets", "produced_repetitions", "produced_indices",
+                     "produced_elements"):
+            it.ClearField(name)
+    for task in message.tasks:
+        for repetition, index in zip(task.split_repetitions, task.split_indices, strict=True):
+            task.splits.add(repetition=repetition, index=index)
+        task.ClearField("split_repetitions")
+        task.ClearField("split_indices")
+
+
+def test_a_version_3_snapshot_reads_the_same_state() -> None:
+    """Schema 4 writes the per-split parts as columns; the messages schema 3 wrote (found on
+    disk after an upgrade) read as the same state."""
+    original = build(*rich_history())
+    message = snapshot.to_proto(original)
+    assert list(message.iterations[0].delivered_offsets) == [0, 1, 2]  # columns written
+    _as_version_3(message)
+    assert message.iterations[0].delivered and message.tasks[0].splits
+    restored = snapshot.from_bytes(message.SerializeToString())
+    assert_same(original, restored)
+
+
 def test_a_snapshot_of_a_newer_schema_version_is_refused_clearly(tmp_path: Path) -> None:
     newer = snapshot.to_proto(build(*rich_history()))
     newer.schema_version = snapshot.SCHEMA_VERSION + 1
