@@ -15,9 +15,9 @@ dispatcher incarnation appends to a new log (one past the highest existing file)
 tail written by a crashed incarnation is never appended to. Compaction, when the current log
 holds more than `compact_every` records and at least `log_share` times the last snapshot's
 bytes (so a big state, a thousand workers' and readers', is not rewritten every few seconds:
-a snapshot byte costs about twice the CPU of a log byte, since the snapshot's protobuf is
-built from the state in Python, so at the default LOG_SHARE compacting costs half what the
-log's own writes do, and a restart replays at most that much log), fsyncs the log and starts
+a snapshot byte costs more CPU than a log byte, since the snapshot's protobuf is built from
+the state in Python, so at the default LOG_SHARE compacting costs a fraction of what the log's
+own writes do, and a restart replays at most that much log), fsyncs the log and starts
 `log_<g+1>`, then writes `snapshot_<g+1>` (temp file, fsync, rename, fsync the directory) and
 only then deletes the older files; a crash at any point leaves either the old files or the
 new snapshot complete.
