@@ -6,7 +6,6 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -148,20 +147,19 @@ def test_a_big_state_is_compacted_once_the_log_outgrows_its_snapshot(tmp_path: P
 
 
 @pytest.mark.timeout(30)
-def test_compaction_serializes_and_writes_the_snapshot_off_the_request_path(
+def test_compaction_builds_and_writes_the_snapshot_off_the_request_path(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The snapshot of a big state takes long to serialize and write: requests must not wait
-    # for it, and what they append meanwhile (into the next log) must replay after it, with or
-    # without it.
+    # The snapshot of a big state takes long to build: requests must not wait for it, and
+    # what they append meanwhile (into the next log) must replay after it, with or without it.
     building, release = threading.Event(), threading.Event()
-    build_snapshot = file_journal.snapshot_of
+    build_snapshot = file_journal.snapshot_update
 
-    def slow_snapshot(message: Any) -> Update:
+    def slow_snapshot(state: DispatcherState) -> Update:
         building.set()
         release.wait(20)
-        return build_snapshot(message)
+        return build_snapshot(state)
 
-    monkeypatch.setattr(file_journal, "snapshot_of", slow_snapshot)
+    monkeypatch.setattr(file_journal, "snapshot_update", slow_snapshot)
     updates = history()
     journal = FileJournal(tmp_path, compact_every=len(updates) - 2)
     state = DispatcherState()

@@ -173,6 +173,20 @@ def test_round_trip_of_an_empty_state() -> None:
     assert_same(DispatcherState(), round_trip(DispatcherState()))
 
 
+@pytest.mark.timeout(30)
+def test_a_copy_for_a_snapshot_keeps_the_state_it_was_taken_of() -> None:
+    """A compaction copies the state under the lock and builds the snapshot from the copy
+    while requests go on changing the state: at every point of a rich history, the copy's
+    snapshot is the state's at the copy, whatever is applied after."""
+    history = rich_history()
+    for cut in range(len(history) + 1):
+        live = build(*history[:cut])
+        copied = snapshot.copy_for_snapshot(live)
+        for update in history[cut:]:
+            live.apply(update)
+        assert_same(build(*history[:cut]), round_trip(copied))
+
+
 def test_the_restored_state_shares_nothing_with_the_snapshot() -> None:
     message = snapshot.to_proto(build(*rich_history()))
     restored = snapshot.from_proto(message)

@@ -21,10 +21,11 @@ own writes do, and a restart replays at most that much log), fsyncs the log and 
 `log_<g+1>`, then writes `snapshot_<g+1>` (temp file, fsync, rename, fsync the directory) and
 only then deletes the older files; a crash at any point leaves either the old files or the
 new snapshot complete.
-Only the start is on the request path: the snapshot message is built under the dispatcher's
-lock (a copy: its per-split parts are columns of integers, so a thousand workers' and four
-thousand readers' state takes tens of milliseconds), and a background thread serializes and
-writes it (`maybe_compact`), so requests do not wait for it to be written and fsynced.
+Only the start is on the request path: the state is copied under the dispatcher's lock (plain
+containers, no protobuf: snapshot.copy_for_snapshot), and a background thread builds the
+snapshot from the copy (its per-split parts as columns of integers) and writes it
+(`maybe_compact`), so requests do not wait for a snapshot of a big state to be built and
+fsynced.
 
 Record framing: 4-byte little-endian payload length, 4-byte CRC32 of the payload, payload (a
 serialized `Update`, in snapshot files too). Only a record being written when the process died
@@ -58,7 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch_dataservice.dispatcher.snapshot import snapshot_of, to_proto
+from torch_dataservice.dispatcher.snapshot import copy_for_snapshot, snapshot_update
 from torch_dataservice.errors import JournalCorruptError
 from torch_dataservice.proto import dispatcher_pb2
 
@@ -320,10 +321,9 @@ class FileJournal:
         """Replace everything so far by a snapshot of `state` when the log has grown long.
 
         Called right after an update is applied, under the dispatcher's lock, so `state`
-        reflects exactly the records appended so far. Only the snapshot message (a copy of
-        `state`) and the switch to a new log happen here; it is serialized and written by a
-        background thread (one at a time: a compaction due while the last is being written
-        waits for it).
+        reflects exactly the records appended so far. Only a copy of `state` and the switch to
+        a new log happen here; the snapshot is built and written by a background thread (one
+        at a time: a compaction due while the last is being written waits for it).
         """
         with self._lock:
             if (self._records < self._compact_every
@@ -349,10 +349,9 @@ class FileJournal:
             self._compactor = None
 
     def _start_generation(self, state: Any) -> tuple[Any, int]:
-        """Snapshot `state` (a DispatcherSnapshot message) and continue in a new log; the old
-        one is fsynced (sync() returns at once for a generation that has ended). Returns the
-        snapshot and the new generation."""
-        copy = to_proto(state)
+        """Copy `state` and continue in a new log; the old one is fsynced (sync() returns at
+        once for a generation that has ended). Returns the copy and the new generation."""
+        copy = copy_for_snapshot(state)
         with self._sync_lock, self._lock:
             os.fsync(self._fd)
             generation = self._generation + 1
@@ -364,9 +363,8 @@ class FileJournal:
         return copy, generation
 
     def _write_snapshot(self, copy: Any, generation: int) -> None:
-        """Write `snapshot_<generation>` from the state's snapshot message, then delete older
-        files."""
-        snapshot = snapshot_of(copy).SerializeToString()
+        """Write `snapshot_<generation>` from a copy of the state, then delete older files."""
+        snapshot = snapshot_update(copy).SerializeToString()
         self._snapshot_bytes = len(snapshot)
         final = self._path("snapshot", generation)
         temp = final.with_name(final.name + ".tmp")
