@@ -4,6 +4,7 @@ dispatcher's anonymous jobs. Real servers, driven through their gRPC stubs."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import grpc
@@ -58,3 +59,46 @@ def test_a_user_job_name_does_not_collide_with_anonymous_jobs(shared_cluster) ->
     assert len({anonymous.job_id, named.job_id, again.job_id}) == 3
     assert sorted(tds.Pipeline.range(4).apply(tds.distribute(
         "parallel_epochs", shared_cluster.target))) == sorted(list(range(4)) * 2)
+
+
+@pytest.mark.timeout(30)
+def test_the_serialized_fast_path_refuses_exactly_what_the_field_walk_refuses() -> None:
+    """check_request skips the walk for messages without a long varint: every integer at the
+    edges of the range, plain, repeated and nested, still reaches the same verdict."""
+    from torch_dataservice.rpc import MAX_REQUEST_INT, check_request
+
+    def refused(message) -> bool:
+        try:
+            check_request(message)
+        except ValueError:
+            return True
+        return False
+
+    for value in (0, 1, 2**56 - 1, 2**56, MAX_REQUEST_INT - 1):
+        assert not refused(dispatcher_pb2.GetSplitRequest(repetition=value))
+        assert not refused(dispatcher_pb2.ClientHeartbeatRequest(
+            received=[dispatcher_pb2.ReceivedSplit(
+                split=common_pb2.SplitKey(index=value), offset_ranges=[0, value])]))
+    for value in (-1, -2**31, MAX_REQUEST_INT, 2**63 - 1):
+        assert refused(dispatcher_pb2.GetSplitRequest(repetition=value))
+        assert refused(dispatcher_pb2.ClientHeartbeatRequest(
+            received=[dispatcher_pb2.ReceivedSplit(split=common_pb2.SplitKey(index=value))]))
+        assert refused(dispatcher_pb2.ClientHeartbeatRequest(fenced_tasks=[1, value, 2]))
+    # Random integers around every power of two agree with the walk alone.
+    from torch_dataservice.rpc import _check_fields
+
+    rng = random.Random(27)
+    for _ in range(3000):
+        value = max(-2**63, min(2**63 - 1, rng.choice((1, -1)) * (
+            2**rng.randrange(64) + rng.randrange(-3, 4))))
+        message = dispatcher_pb2.ClientHeartbeatRequest(client_id=7, fenced_tasks=[value])
+        try:
+            _check_fields(message, "")
+            walked = False
+        except ValueError:
+            walked = True
+        assert refused(message) == walked, value
+    # Strings with many high bytes in a row take the walk, with the same verdict.
+    assert not refused(dispatcher_pb2.WorkerHeartbeatRequest(worker_address="é" * 20))
+    assert refused(dispatcher_pb2.WorkerHeartbeatRequest(worker_address="é" * 20,
+                                                         current_tasks=[-5]))

@@ -173,6 +173,20 @@ def test_round_trip_of_an_empty_state() -> None:
     assert_same(DispatcherState(), round_trip(DispatcherState()))
 
 
+@pytest.mark.timeout(30)
+def test_a_copy_for_a_snapshot_keeps_the_state_it_was_taken_of() -> None:
+    """A compaction copies the state under the lock and builds the snapshot from the copy
+    while requests go on changing the state: at every point of a rich history, the copy's
+    snapshot is the state's at the copy, whatever is applied after."""
+    history = rich_history()
+    for cut in range(len(history) + 1):
+        live = build(*history[:cut])
+        copied = snapshot.copy_for_snapshot(live)
+        for update in history[cut:]:
+            live.apply(update)
+        assert_same(build(*history[:cut]), round_trip(copied))
+
+
 def test_the_restored_state_shares_nothing_with_the_snapshot() -> None:
     message = snapshot.to_proto(build(*rich_history()))
     restored = snapshot.from_proto(message)
@@ -271,6 +285,45 @@ def _write_snapshot_file(work_dir: Path, payload: bytes) -> None:
     directory.mkdir(parents=True)
     update = Update(snapshot=dispatcher_pb2.StateSnapshot(state=payload))
     (directory / "snapshot_1").write_bytes(encode_record(update.SerializeToString()))
+
+
+def _as_version_3(message: snapshot_pb2.DispatcherSnapshot) -> None:
+    """Rewrite `message` as schema 3 wrote it: delivered, produced and task splits as one
+    message per split, no columns."""
+    S = snapshot_pb2.DispatcherSnapshot
+    message.schema_version = 3
+    for it in message.iterations:
+        position = 0
+        for repetition, index, count in zip(it.delivered_repetitions, it.delivered_indices,
+                                            it.delivered_offset_counts, strict=True):
+            it.delivered.add(split=common_pb2.SplitKey(repetition=repetition, index=index),
+                             offsets=it.delivered_offsets[position:position + count])
+            position += count
+        for repetition, index, n in zip(it.produced_repetitions, it.produced_indices,
+                                        it.produced_elements, strict=True):
+            it.produced.append(S.ProducedSplit(
+                split=common_pb2.SplitKey(repetition=repetition, index=index), num_elements=n))
+        for name in ("delivered_repetitions", "delivered_indices", "delivered_offset_counts",
+                     "delivered_offsets", "produced_repetitions", "produced_indices",
+                     "produced_elements"):
+            it.ClearField(name)
+    for task in message.tasks:
+        for repetition, index in zip(task.split_repetitions, task.split_indices, strict=True):
+            task.splits.add(repetition=repetition, index=index)
+        task.ClearField("split_repetitions")
+        task.ClearField("split_indices")
+
+
+def test_a_version_3_snapshot_reads_the_same_state() -> None:
+    """Schema 4 writes the per-split parts as columns; the messages schema 3 wrote (found on
+    disk after an upgrade) read as the same state."""
+    original = build(*rich_history())
+    message = snapshot.to_proto(original)
+    assert list(message.iterations[0].delivered_offsets) == [0, 1, 2]  # columns written
+    _as_version_3(message)
+    assert message.iterations[0].delivered and message.tasks[0].splits
+    restored = snapshot.from_bytes(message.SerializeToString())
+    assert_same(original, restored)
 
 
 def test_a_snapshot_of_a_newer_schema_version_is_refused_clearly(tmp_path: Path) -> None:

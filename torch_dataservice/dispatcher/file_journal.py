@@ -15,16 +15,17 @@ dispatcher incarnation appends to a new log (one past the highest existing file)
 tail written by a crashed incarnation is never appended to. Compaction, when the current log
 holds more than `compact_every` records and at least `log_share` times the last snapshot's
 bytes (so a big state, a thousand workers' and readers', is not rewritten every few seconds:
-a snapshot byte costs about twice the CPU of a log byte, since the snapshot's protobuf is
-built from the state in Python, so at the default LOG_SHARE compacting costs half what the
-log's own writes do, and a restart replays at most that much log), fsyncs the log and starts
+a snapshot byte costs more CPU than a log byte, since the snapshot's protobuf is built from
+the state in Python, so at the default LOG_SHARE compacting costs a fraction of what the log's
+own writes do, and a restart replays at most that much log), fsyncs the log and starts
 `log_<g+1>`, then writes `snapshot_<g+1>` (temp file, fsync, rename, fsync the directory) and
 only then deletes the older files; a crash at any point leaves either the old files or the
 new snapshot complete.
-Only the start is on the request path: the state is copied by pickle (C code, a few times
-cheaper than building the snapshot protobuf) under the dispatcher's lock, and a background
-thread turns the copy into the snapshot and writes it (`maybe_compact`), so requests do not
-wait for a snapshot of a big state to be built and fsynced.
+Only the start is on the request path: the state is copied under the dispatcher's lock (plain
+containers, no protobuf: snapshot.copy_for_snapshot), and a background thread builds the
+snapshot from the copy (its per-split parts as columns of integers) and writes it
+(`maybe_compact`), so requests do not wait for a snapshot of a big state to be built and
+fsynced.
 
 Record framing: 4-byte little-endian payload length, 4-byte CRC32 of the payload, payload (a
 serialized `Update`, in snapshot files too). Only a record being written when the process died
@@ -48,7 +49,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import re
 import struct
 import threading
@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch_dataservice.dispatcher.snapshot import snapshot_update
+from torch_dataservice.dispatcher.snapshot import copy_for_snapshot, snapshot_update
 from torch_dataservice.errors import JournalCorruptError
 from torch_dataservice.proto import dispatcher_pb2
 
@@ -348,10 +348,10 @@ class FileJournal:
             compactor.join()
             self._compactor = None
 
-    def _start_generation(self, state: Any) -> tuple[bytes, int]:
+    def _start_generation(self, state: Any) -> tuple[Any, int]:
         """Copy `state` and continue in a new log; the old one is fsynced (sync() returns at
         once for a generation that has ended). Returns the copy and the new generation."""
-        copy = pickle.dumps(state, pickle.HIGHEST_PROTOCOL)
+        copy = copy_for_snapshot(state)
         with self._sync_lock, self._lock:
             os.fsync(self._fd)
             generation = self._generation + 1
@@ -362,9 +362,9 @@ class FileJournal:
             self._records = self._written = self._synced = 0
         return copy, generation
 
-    def _write_snapshot(self, copy: bytes, generation: int) -> None:
+    def _write_snapshot(self, copy: Any, generation: int) -> None:
         """Write `snapshot_<generation>` from a copy of the state, then delete older files."""
-        snapshot = snapshot_update(pickle.loads(copy)).SerializeToString()  # noqa: S301 - ours
+        snapshot = snapshot_update(copy).SerializeToString()
         self._snapshot_bytes = len(snapshot)
         final = self._path("snapshot", generation)
         temp = final.with_name(final.name + ".tmp")

@@ -72,6 +72,7 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         self._lock = threading.RLock()
         # The updates applied since the outermost `_changes` began: one journal record.
         self._pending: list[Update] | None = None
+        self._owner: int | None = None  # the thread whose `_changes` opened `_pending`
         self._cadence = Cadence(config.effective_heartbeat_budget_rps,
                                 config.effective_max_pending_rpcs)
         self._views = tasks.ClientViews()  # what every client's reply shares, per change
@@ -108,19 +109,26 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
     def _apply(self, *updates: Update | None) -> None:
         """Apply `updates` now; they are journaled when the outermost `_changes` ends (one
         made for this call if none is open)."""
+        if self._pending is not None and self._owner == threading.get_ident():
+            self._apply_pending(updates)  # in this thread's `_changes`: the lock is held
+            return
         with self._changes():
-            pending = self._pending
-            assert pending is not None  # _changes opened it
-            for update in updates:
-                if update is None:
-                    continue
-                self._state.apply(update)
-                pending.append(update)
-                self._views.note(update)
-                if update.WhichOneof("kind") == "requeue_split":
-                    requeue = update.requeue_split
-                    self._soft.note_requeued(self._state.iterations[requeue.iteration_id],
-                                             (requeue.split.repetition, requeue.split.index))
+            self._apply_pending(updates)
+
+    def _apply_pending(self, updates: tuple[Update | None, ...]) -> None:
+        """`_apply` inside `_changes` (a GetSplit applies a few dozen: no lock or context
+        manager per update)."""
+        pending = self._pending
+        assert pending is not None  # _changes opened it
+        for update in updates:
+            if update is None:
+                continue
+            self._state.apply(update)
+            pending.append(update)
+            if self._views.note(update) == "requeue_split":
+                requeue = update.requeue_split
+                self._soft.note_requeued(self._state.iterations[requeue.iteration_id],
+                                         (requeue.split.repetition, requeue.split.index))
 
     @contextlib.contextmanager
     def _changes(self) -> Iterator[None]:
@@ -131,11 +139,11 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
             if self._pending is not None:  # nested: the outermost one journals
                 yield
                 return
-            self._pending = []
+            self._pending, self._owner = [], threading.get_ident()
             try:
                 yield
             finally:
-                pending, self._pending = self._pending, None
+                pending, self._pending, self._owner = self._pending, None, None
                 if pending:
                     self._journal_applied(pending)
 

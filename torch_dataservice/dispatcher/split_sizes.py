@@ -85,6 +85,14 @@ class SplitSizes(Mapping[Key, int]):
         self._repetitions.clear()
         self._len = 0
 
+    def copy(self) -> SplitSizes:
+        """An independent copy (runs copied, not shared)."""
+        copied = SplitSizes()
+        copied._repetitions = {repetition: (list(starts), [list(run) for run in runs])
+                               for repetition, (starts, runs) in self._repetitions.items()}
+        copied._len = self._len
+        return copied
+
     def __setitem__(self, key: Key, count: int) -> None:
         repetition, index = key
         starts, runs = self._repetitions.setdefault(repetition, ([], []))

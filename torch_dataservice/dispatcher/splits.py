@@ -152,12 +152,9 @@ def next_split(state: DispatcherState, soft: SoftState, iteration: Iteration, re
                 iteration_id=iteration.iteration_id, repetition=split.repetition,
                 split_index=split.index, task_id=task.task_id, requeued=True)
         waiting = True
-    not_ready = NotReadyError(
-        f"iteration {iteration.iteration_id}: splits of a lost worker wait for clients to "
-        "report what they received; retry")
     if repetition < iteration.cursor_repetition:
         if waiting:
-            raise not_ready
+            raise _not_ready(iteration)
         return None
     index = iteration.cursor_index if repetition == iteration.cursor_repetition else 0
     # A resumed job skips the splits its trainer read whole before (dispatcher/resume.py).
@@ -166,7 +163,7 @@ def next_split(state: DispatcherState, soft: SoftState, iteration: Iteration, re
     total = num_splits(state, iteration)
     if index >= total:
         if waiting:
-            raise not_ready
+            raise _not_ready(iteration)
         index = -1
     elif repetition == iteration.cursor_repetition and len(iteration.task_ids) > 1:
         # A split the worker holds cached first (a lone task takes all, in order).
@@ -179,6 +176,13 @@ def next_split(state: DispatcherState, soft: SoftState, iteration: Iteration, re
     return dispatcher_pb2.ProduceSplit(iteration_id=iteration.iteration_id,
                                        repetition=repetition, task_id=task.task_id,
                                        split_index=index)
+
+
+def _not_ready(iteration: Iteration) -> NotReadyError:
+    """Built only when raised: next_split runs once per split handed."""
+    return NotReadyError(
+        f"iteration {iteration.iteration_id}: splits of a lost worker wait for clients to "
+        "report what they received; retry")
 
 
 def num_splits(state: DispatcherState, iteration: Iteration) -> int:

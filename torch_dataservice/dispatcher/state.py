@@ -347,7 +347,7 @@ class DispatcherState:
     def _settle_if_delivered(self, iteration: Iteration, key: tuple[int, int]) -> None:
         """Forget a split once clients received every element it produced."""
         size = iteration.produced.get(key)
-        if size is None or not all(o in iteration.delivered[key] for o in range(size)):
+        if size is None or not iteration.delivered[key].issuperset(range(size)):
             return
         del iteration.delivered[key], iteration.produced[key]
         iteration.release(self.tasks, key)

@@ -123,11 +123,12 @@ class ClientViews:
         self._version = random.getrandbits(29) << 32
         self._views: dict[int, ClientView] = {}
 
-    def note(self, update: Update) -> None:
-        """`update` was applied to the state."""
+    def note(self, update: Update) -> str | None:
+        """`update` was applied to the state; returns its kind (the service's next question)."""
         kind = update.WhichOneof("kind")
         if kind in _VIEW_CHANGES or (kind == "produce_split" and update.produce_split.requeued):
             self._version += 1
+        return kind
 
     def get(self, state: DispatcherState, iteration: Iteration) -> ClientView:
         view = self._views.get(iteration.iteration_id)

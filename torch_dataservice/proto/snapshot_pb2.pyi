@@ -54,7 +54,7 @@ class DispatcherSnapshot(_message.Message):
         splits: _containers.RepeatedCompositeFieldContainer[_common_pb2.SplitKey]
         def __init__(self, replica: _Optional[int] = ..., request_id: _Optional[int] = ..., splits: _Optional[_Iterable[_Union[_common_pb2.SplitKey, _Mapping]]] = ...) -> None: ...
     class Task(_message.Message):
-        __slots__ = ("task_id", "iteration_id", "worker_address", "starting_round", "finished", "lost", "splits", "last_split")
+        __slots__ = ("task_id", "iteration_id", "worker_address", "starting_round", "finished", "lost", "splits", "last_split", "split_repetitions", "split_indices")
         TASK_ID_FIELD_NUMBER: _ClassVar[int]
         ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
         WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,8 @@ class DispatcherSnapshot(_message.Message):
         LOST_FIELD_NUMBER: _ClassVar[int]
         SPLITS_FIELD_NUMBER: _ClassVar[int]
         LAST_SPLIT_FIELD_NUMBER: _ClassVar[int]
+        SPLIT_REPETITIONS_FIELD_NUMBER: _ClassVar[int]
+        SPLIT_INDICES_FIELD_NUMBER: _ClassVar[int]
         task_id: int
         iteration_id: int
         worker_address: str
@@ -71,7 +73,9 @@ class DispatcherSnapshot(_message.Message):
         lost: bool
         splits: _containers.RepeatedCompositeFieldContainer[_common_pb2.SplitKey]
         last_split: _containers.RepeatedCompositeFieldContainer[DispatcherSnapshot.LastSplit]
-        def __init__(self, task_id: _Optional[int] = ..., iteration_id: _Optional[int] = ..., worker_address: _Optional[str] = ..., starting_round: _Optional[int] = ..., finished: _Optional[bool] = ..., lost: _Optional[bool] = ..., splits: _Optional[_Iterable[_Union[_common_pb2.SplitKey, _Mapping]]] = ..., last_split: _Optional[_Iterable[_Union[DispatcherSnapshot.LastSplit, _Mapping]]] = ...) -> None: ...
+        split_repetitions: _containers.RepeatedScalarFieldContainer[int]
+        split_indices: _containers.RepeatedScalarFieldContainer[int]
+        def __init__(self, task_id: _Optional[int] = ..., iteration_id: _Optional[int] = ..., worker_address: _Optional[str] = ..., starting_round: _Optional[int] = ..., finished: _Optional[bool] = ..., lost: _Optional[bool] = ..., splits: _Optional[_Iterable[_Union[_common_pb2.SplitKey, _Mapping]]] = ..., last_split: _Optional[_Iterable[_Union[DispatcherSnapshot.LastSplit, _Mapping]]] = ..., split_repetitions: _Optional[_Iterable[int]] = ..., split_indices: _Optional[_Iterable[int]] = ...) -> None: ...
     class RequeuedSplit(_message.Message):
         __slots__ = ("split", "delivered_offsets")
         SPLIT_FIELD_NUMBER: _ClassVar[int]
@@ -94,7 +98,7 @@ class DispatcherSnapshot(_message.Message):
         num_elements: int
         def __init__(self, split: _Optional[_Union[_common_pb2.SplitKey, _Mapping]] = ..., num_elements: _Optional[int] = ...) -> None: ...
     class Iteration(_message.Message):
-        __slots__ = ("iteration_id", "job_id", "repetition", "task_ids", "client_ids", "garbage_collected", "cursor_repetition", "cursor_index", "requeued", "delivered", "produced", "removals", "sizes", "ahead", "size_runs")
+        __slots__ = ("iteration_id", "job_id", "repetition", "task_ids", "client_ids", "garbage_collected", "cursor_repetition", "cursor_index", "requeued", "delivered", "produced", "removals", "sizes", "ahead", "size_runs", "delivered_repetitions", "delivered_indices", "delivered_offset_counts", "delivered_offsets", "produced_repetitions", "produced_indices", "produced_elements")
         ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
         JOB_ID_FIELD_NUMBER: _ClassVar[int]
         REPETITION_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +114,13 @@ class DispatcherSnapshot(_message.Message):
         SIZES_FIELD_NUMBER: _ClassVar[int]
         AHEAD_FIELD_NUMBER: _ClassVar[int]
         SIZE_RUNS_FIELD_NUMBER: _ClassVar[int]
+        DELIVERED_REPETITIONS_FIELD_NUMBER: _ClassVar[int]
+        DELIVERED_INDICES_FIELD_NUMBER: _ClassVar[int]
+        DELIVERED_OFFSET_COUNTS_FIELD_NUMBER: _ClassVar[int]
+        DELIVERED_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+        PRODUCED_REPETITIONS_FIELD_NUMBER: _ClassVar[int]
+        PRODUCED_INDICES_FIELD_NUMBER: _ClassVar[int]
+        PRODUCED_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
         iteration_id: int
         job_id: int
         repetition: int
@@ -125,7 +136,14 @@ class DispatcherSnapshot(_message.Message):
         sizes: _containers.RepeatedCompositeFieldContainer[DispatcherSnapshot.ProducedSplit]
         ahead: _containers.RepeatedScalarFieldContainer[int]
         size_runs: _containers.RepeatedCompositeFieldContainer[DispatcherSnapshot.SizeRun]
-        def __init__(self, iteration_id: _Optional[int] = ..., job_id: _Optional[int] = ..., repetition: _Optional[int] = ..., task_ids: _Optional[_Iterable[int]] = ..., client_ids: _Optional[_Iterable[int]] = ..., garbage_collected: _Optional[bool] = ..., cursor_repetition: _Optional[int] = ..., cursor_index: _Optional[int] = ..., requeued: _Optional[_Iterable[_Union[DispatcherSnapshot.RequeuedSplit, _Mapping]]] = ..., delivered: _Optional[_Iterable[_Union[DispatcherSnapshot.DeliveredSplit, _Mapping]]] = ..., produced: _Optional[_Iterable[_Union[DispatcherSnapshot.ProducedSplit, _Mapping]]] = ..., removals: _Optional[_Iterable[_Union[_common_pb2.RemovedTasks, _Mapping]]] = ..., sizes: _Optional[_Iterable[_Union[DispatcherSnapshot.ProducedSplit, _Mapping]]] = ..., ahead: _Optional[_Iterable[int]] = ..., size_runs: _Optional[_Iterable[_Union[DispatcherSnapshot.SizeRun, _Mapping]]] = ...) -> None: ...
+        delivered_repetitions: _containers.RepeatedScalarFieldContainer[int]
+        delivered_indices: _containers.RepeatedScalarFieldContainer[int]
+        delivered_offset_counts: _containers.RepeatedScalarFieldContainer[int]
+        delivered_offsets: _containers.RepeatedScalarFieldContainer[int]
+        produced_repetitions: _containers.RepeatedScalarFieldContainer[int]
+        produced_indices: _containers.RepeatedScalarFieldContainer[int]
+        produced_elements: _containers.RepeatedScalarFieldContainer[int]
+        def __init__(self, iteration_id: _Optional[int] = ..., job_id: _Optional[int] = ..., repetition: _Optional[int] = ..., task_ids: _Optional[_Iterable[int]] = ..., client_ids: _Optional[_Iterable[int]] = ..., garbage_collected: _Optional[bool] = ..., cursor_repetition: _Optional[int] = ..., cursor_index: _Optional[int] = ..., requeued: _Optional[_Iterable[_Union[DispatcherSnapshot.RequeuedSplit, _Mapping]]] = ..., delivered: _Optional[_Iterable[_Union[DispatcherSnapshot.DeliveredSplit, _Mapping]]] = ..., produced: _Optional[_Iterable[_Union[DispatcherSnapshot.ProducedSplit, _Mapping]]] = ..., removals: _Optional[_Iterable[_Union[_common_pb2.RemovedTasks, _Mapping]]] = ..., sizes: _Optional[_Iterable[_Union[DispatcherSnapshot.ProducedSplit, _Mapping]]] = ..., ahead: _Optional[_Iterable[int]] = ..., size_runs: _Optional[_Iterable[_Union[DispatcherSnapshot.SizeRun, _Mapping]]] = ..., delivered_repetitions: _Optional[_Iterable[int]] = ..., delivered_indices: _Optional[_Iterable[int]] = ..., delivered_offset_counts: _Optional[_Iterable[int]] = ..., delivered_offsets: _Optional[_Iterable[int]] = ..., produced_repetitions: _Optional[_Iterable[int]] = ..., produced_indices: _Optional[_Iterable[int]] = ..., produced_elements: _Optional[_Iterable[int]] = ...) -> None: ...
     class SizeRun(_message.Message):
         __slots__ = ("repetition", "first", "end", "num_elements")
         REPETITION_FIELD_NUMBER: _ClassVar[int]
