@@ -77,3 +77,45 @@ def test_a_second_fetch_starts_while_big_payloads_stream_and_order_holds(
         "parallel_epochs", cluster.target, compression=None, target_workers="ANY"))
     assert [int(t[0]) for t in pipeline] == list(range(1, 9))
     assert most[0] == 2  # two at once, never more
+
+
+def shared_batch(i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A batch in shared memory (as torch collates in its DataLoader workers), and a slice of
+    another shared tensor (its bytes start inside its file)."""
+    images = batch(i)[0].share_memory_()
+    stack = torch.arange(4 * 300_000, dtype=torch.int32).add_(i).share_memory_()
+    return images, stack.view(4, 300_000)[1:3], i
+
+
+@pytest.mark.parametrize("path", ["ANY", "LOCAL", "grpc"])
+def test_tensors_in_shared_memory_go_from_their_own_pages(cluster_factory, monkeypatch,
+                                                          path: str) -> None:
+    """The executor sends such tensors as their files (no copy into a segment) and the data
+    port sends them with sendfile; gRPC and in-process readers get the payload joined. Every
+    path delivers the same values."""
+    from torch_dataservice.wire import inprocess
+    from torch_dataservice.worker import shm
+
+    made = []
+    build = shm.pieced_payload
+
+    def counted(*args):
+        made.append(1)
+        return build(*args)
+
+    monkeypatch.setattr(shm, "pieced_payload", counted)
+    if path == "grpc":
+        monkeypatch.setattr(inprocess, "lookup", lambda address: None)
+    cluster = cluster_factory(num_workers=1, num_processes=1)
+    count = 10
+    pipeline = tds.Pipeline.range(count).map(shared_batch).apply(tds.distribute(
+        "parallel_epochs", cluster.target, compression=None,
+        target_workers="ANY" if path == "grpc" else path))
+    received = []
+    for images, rows, i in pipeline:
+        expected_images, expected_rows, _ = shared_batch(i)
+        assert torch.equal(images, expected_images), i
+        assert torch.equal(rows, expected_rows), i
+        received.append(i)
+    assert received == list(range(count))
+    assert len(made) == count  # every element went as its files

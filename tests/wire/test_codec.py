@@ -334,3 +334,26 @@ def test_estimate_counts_an_opaque_object_by_its_own_size() -> None:
     opaque = array.array("b", bytes(1 << 20))  # no __dict__, its buffer inside the object
     assert codec.estimate_size(opaque) >= 1 << 20
     assert codec.estimate_size([opaque, opaque]) >= 1 << 20  # seen once
+
+
+def test_encode_names_the_parts_that_are_tensors_in_shared_memory() -> None:
+    """Only uncompressed, big-enough tensors in shared memory are named, with their file and
+    the offset of their bytes in it: what an executor sends as files instead of copying."""
+    import os
+
+    big = torch.arange(100_000, dtype=torch.int64).share_memory_()
+    small = torch.arange(10, dtype=torch.int64).share_memory_()
+    plain = torch.arange(100_000, dtype=torch.int64)
+    element = {"big": big, "rows": big.view(100, 1000)[3:13], "small": small, "plain": plain}
+    shared: dict[int, tuple[int, int]] = {}
+    parts = codec.encode(element, None, shared)
+    assert len(shared) == 2
+    for index, (fd, offset) in shared.items():
+        data = bytes(memoryview(parts[index]))
+        assert os.pread(fd, len(data), offset) == data
+    assert sorted(offset for _, offset in shared.values()) == [0, 3 * 1000 * 8]
+    assert codec.decode(b"".join(parts))["rows"].equal(big.view(100, 1000)[3:13])
+    compressible = {"zeros": torch.zeros(100_000).share_memory_()}
+    shared.clear()
+    codec.encode(compressible, "AUTO", shared)
+    assert shared == {}  # compressed: its bytes are not the file's

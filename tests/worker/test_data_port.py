@@ -290,3 +290,112 @@ def test_a_worker_that_stalls_mid_reply_times_the_reader_out(tmp_path, kind: str
         connection.close()
         listener.close()
         thread.join(5)
+
+
+def segment_payloads(sizes: list[int], freed: list[int]) -> tuple[list, list[bytes]]:
+    """Payloads over real memfd segments (as the front holds an executor's), with what they
+    hold; `freed` collects the segments given back."""
+    from torch_dataservice.worker import shm
+
+    segments = shm.SegmentMap(freed.append)
+    payloads, expected = [], []
+    for number, size in enumerate(sizes):
+        fd = os.memfd_create(f"test-{number}")
+        data = payload(size, number)
+        os.pwrite(fd, data, 0)
+        segments.add(number, fd, size)
+        payloads.append(segments.payload(number, size))
+        expected.append(data)
+    return payloads, expected
+
+
+def pieced(parts: list[bytes | tuple[bytes, int]]) -> tuple[object, bytes]:
+    """A PiecedPayload of bytes pieces and pieces of files (data, offset into a file)."""
+    from torch_dataservice.worker import shm
+
+    pieces: list = []
+    whole = b""
+    for part in parts:
+        if isinstance(part, bytes):
+            pieces.append(part)
+            whole += part
+            continue
+        data, at = part
+        fd = os.memfd_create("test-piece")
+        os.pwrite(fd, b"\xee" * at + data + b"\xee" * 100, 0)
+        pieces.append((shm.SegmentFile(fd), at, len(data)))
+        whole += data
+    return shm.PiecedPayload(pieces, len(whole)), whole
+
+
+@pytest.mark.parametrize("kind", ["tcp", "unix"])
+def test_payloads_from_files_arrive_intact(worker: FakeWorker, kind: str) -> None:
+    """Segments and pieced payloads go by sendfile, between bytes sent by sendmsg."""
+    freed: list[int] = []
+    segments, expected = segment_payloads([3 << 20, 5], freed)
+    big = payload(2 << 20, 7)
+    pieced_one, whole = pieced([b"head" * 5, (big, 4096 + 16), b"mid", (big[:70000], 3)])
+    worker.replies[1] = [segments[0], b"small", pieced_one, segments[1]]
+    del segments, pieced_one
+    target = next(t for t in targets(worker.port) if t[0] == kind)
+    connection = client.Connection(target)
+    try:
+        header, payloads = connection.fetch(request(1))
+        assert [bytes(p) for p in payloads] == [expected[0], b"small", whole, expected[1]]
+        assert [info.size for info in header.elements] == [len(p) for p in payloads]
+    finally:
+        connection.close()
+
+
+def test_a_reply_sent_by_sendfile_is_held_until_the_reader_asks_again(
+        worker: FakeWorker) -> None:
+    """sendfile hands the kernel the segment's pages, which the reader copies later: the
+    segment must not go back to the executor (to be overwritten) before the reader has read
+    the reply, i.e. before it asks again on that connection or closes it."""
+    freed: list[int] = []
+    payloads, _ = segment_payloads([2 << 20, 2 << 20], freed)
+    worker.replies[1] = [payloads[0]]
+    worker.replies[2] = [payloads[1]]
+    del payloads
+    connection = client.Connection(("tcp", HOST, worker.port.port))
+    try:
+        connection.fetch(request(1))
+        worker.replies[1] = []  # the fake's references go: only the connection holds it
+        time.sleep(0.2)
+        assert freed == []  # sent, but held: the reader has not asked again
+        connection.fetch(request(2))
+        deadline = time.monotonic() + 5
+        while freed != [0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert freed == [0]  # asked again: the first reply's segment goes back
+        worker.replies[2] = []
+    finally:
+        connection.close()
+    deadline = time.monotonic() + 5
+    while sorted(freed) != [0, 1] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(freed) == [0, 1]  # closed: the last one goes back too
+
+
+def test_held_replies_are_bounded(worker: FakeWorker, monkeypatch) -> None:
+    """Past HELD_BYTES held in all, a reply is copied into the socket and not held."""
+    monkeypatch.setattr(data_port_module, "HELD_BYTES", 3 << 20)
+    freed: list[int] = []
+    payloads, expected = segment_payloads([2 << 20, 2 << 20], freed)
+    worker.replies[1] = [payloads[0]]
+    worker.replies[2] = [payloads[1]]
+    del payloads
+    first = client.Connection(("tcp", HOST, worker.port.port))
+    second = client.Connection(("tcp", HOST, worker.port.port))
+    try:
+        assert bytes(first.fetch(request(1))[1][0]) == expected[0]
+        worker.replies[1] = []
+        assert bytes(second.fetch(request(2))[1][0]) == expected[1]
+        worker.replies[2] = []
+        deadline = time.monotonic() + 5
+        while freed != [1] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert freed == [1]  # over the bound: copied, so not held; the first one still is
+    finally:
+        first.close()
+        second.close()

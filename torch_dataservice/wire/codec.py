@@ -63,6 +63,8 @@ _SAMPLE_BYTES = 8 * 1024
 _SAMPLE_RATIO = 0.9
 # bytes objects this large go out-of-band too, so they are not copied into the pickle stream.
 _MIN_OUT_OF_BAND_BYTES = 4096
+# Tensors this large are looked up for `encode(shared=...)` (smaller ones are cheaper copied).
+SHARED_MIN_BYTES = 64 * 1024
 # Elements the standard pickler encodes exactly as ours would.
 _SCALARS = frozenset({int, float, bool, str, type(None)})
 
@@ -102,6 +104,10 @@ class _ElementPickler(cloudpickle.CloudPickler):
     classes must pickle by value too, to come back as the trainer's own classes.
     """
 
+    # Filled only when `encode` is asked for shared sources: id(PickleBuffer) -> (fd, offset)
+    # of a tensor whose storage is in shared memory.
+    shared: dict[int, tuple[int, int]] | None = None
+
     def reducer_override(self, obj: Any) -> Any:
         kind = type(obj)
         if kind is torch.Tensor:
@@ -117,8 +123,7 @@ class _ElementPickler(cloudpickle.CloudPickler):
             return NotImplemented
         return super().reducer_override(obj)
 
-    @staticmethod
-    def _reduce_tensor(tensor: torch.Tensor) -> Any:
+    def _reduce_tensor(self, tensor: torch.Tensor) -> Any:
         if (
             tensor.device.type != "cpu"
             or tensor.layout != torch.strided
@@ -130,8 +135,27 @@ class _ElementPickler(cloudpickle.CloudPickler):
         # Raw bytes through a uint8 view: works for dtypes numpy lacks (bfloat16, float8, ...).
         raw = data.reshape(-1).view(torch.uint8).numpy()
         dtype_name = str(data.dtype).removeprefix("torch.")
-        args = (pickle.PickleBuffer(raw), dtype_name, tuple(data.shape), tensor.requires_grad)
+        buffer = pickle.PickleBuffer(raw)
+        if self.shared is not None and raw.nbytes >= SHARED_MIN_BYTES:
+            source = _shared_source(data)
+            if source is not None:
+                self.shared[id(buffer)] = source
+        args = (buffer, dtype_name, tuple(data.shape), tensor.requires_grad)
         return _rebuild_tensor, args
+
+
+def _shared_source(data: torch.Tensor) -> tuple[int, int] | None:
+    """(fd, byte offset) of contiguous `data` in its storage's shared-memory file, if its
+    storage is in shared memory by file descriptor (torch's default sharing strategy on
+    Linux: `share_memory_()`, or a batch torch collated in a DataLoader worker)."""
+    storage = data.untyped_storage()
+    if not storage.is_shared() or data.numel() == 0:
+        return None
+    try:
+        fd, _ = storage._share_fd_cpu_()
+    except (RuntimeError, AttributeError):  # shared by file name, or another allocator
+        return None
+    return int(fd), int(data.storage_offset()) * data.element_size()
 
 
 def _check_compression(compression: str | None) -> bool:
@@ -170,20 +194,28 @@ def _maybe_compress(data: Part, minimum: int) -> tuple[Part, bool]:
     return data, False
 
 
-def encode(element: Any, compression: str | None = None) -> list[Part]:
+def encode(element: Any, compression: str | None = None,
+           shared: dict[int, tuple[int, int]] | None = None) -> list[Part]:
     """Encode one element into the pieces of its payload, in order.
 
     The pieces reference the element's tensor memory where possible; they must be joined (or
     sent) before the element is mutated. ``compression`` is ``"AUTO"`` (snappy) or None.
+    Given ``shared`` (a dict), it is filled with the pieces that are the bytes of a tensor in
+    shared memory: piece index -> (the storage's fd, the bytes' offset in it), so a sender
+    can pass the file rather than copy the bytes (the fd is the storage's: dup it to keep it).
     """
     compress = _check_compression(compression)
     buffers: list[pickle.PickleBuffer] = []
+    sources: dict[int, tuple[int, int]] = {}
     if type(element) in _SCALARS:
         # Setting up our pickler costs more than a scalar (an index, a label, a path) itself.
         pickled: Part = pickle.dumps(element, protocol=5)
     else:
         stream = io.BytesIO()
-        _ElementPickler(stream, protocol=5, buffer_callback=buffers.append).dump(element)
+        pickler = _ElementPickler(stream, protocol=5, buffer_callback=buffers.append)
+        if shared is not None:
+            pickler.shared = sources
+        pickler.dump(element)
         pickled = stream.getbuffer()
 
     segments: list[tuple[Part, int, bool]] = []  # (stored data, raw length, compressed)
@@ -191,11 +223,14 @@ def encode(element: Any, compression: str | None = None) -> list[Part]:
         _maybe_compress(pickled, _MIN_COMPRESS_STREAM) if compress else (pickled, False)
     )
     segments.append((stored, len(pickled), compressed))
+    segment_sources: dict[int, tuple[int, int]] = {}
     for buffer in buffers:
         raw = buffer.raw()  # 1-D unsigned bytes view, so len() is the byte count
         stored, compressed = (
             _maybe_compress(raw, _MIN_COMPRESS_BUFFER) if compress else (raw, False)
         )
+        if not compressed and id(buffer) in sources:
+            segment_sources[len(segments)] = sources[id(buffer)]
         segments.append((stored, len(raw), compressed))
 
     table = [_HEADER.pack(_MAGIC, _VERSION, len(segments))]
@@ -203,8 +238,10 @@ def encode(element: Any, compression: str | None = None) -> list[Part]:
         table.append(_SEGMENT.pack(len(stored), raw_len, _FLAG_SNAPPY if compressed else 0))
     head = b"".join(table)
     parts: list[Part] = [head + _PAD[: _padding(len(head))]]
-    for stored, _, _ in segments:
+    for index, (stored, _, _) in enumerate(segments):
         if len(stored):
+            if shared is not None and index in segment_sources:
+                shared[len(parts)] = segment_sources[index]
             parts.append(stored)
         if pad := _padding(len(stored)):
             parts.append(_PAD[:pad])

@@ -87,4 +87,5 @@ def payload_nbytes(payload: Any) -> int:
     """Bytes a buffered payload counts for (an encoded payload's length, or the estimate)."""
     if type(payload) is LocalElement:
         return payload.size
-    return memoryview(payload).nbytes
+    nbytes = getattr(payload, "nbytes", None)  # arrays, memoryviews, shm.PiecedPayload
+    return len(payload) if nbytes is None else nbytes  # bytes, bytearray

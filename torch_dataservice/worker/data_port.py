@@ -9,9 +9,14 @@ private temporary directory for readers on the same host. The dispatcher tells c
 for a worker without them.
 
 The protocol both ends speak is in wire/data_port.py. The worker writes each payload straight
-from its buffer (a shared-memory segment or bytes) with ``sendmsg``, never joining them; the
-client reads each big payload into a buffer of its own that becomes the decoded tensors' memory
-(client/data_port.py).
+from its buffer, never joining them: bytes with ``sendmsg``, and a payload in an executor's
+shared-memory segment (worker/shm.py) with ``sendfile`` from the segment's file, so the kernel
+takes the pages by reference and this process copies nothing (the copy into the socket was a
+sixth of a big reply's CPU). A page sent that way is read by the reader after ``sendfile``
+returns, so the connection holds such a reply's payloads (their segments stay unused) until
+the reader asks again or goes; at most `HELD_BYTES` in all, beyond which a reply is copied
+into the socket instead. The client reads each big payload into a buffer of its own that
+becomes the decoded tensors' memory (client/data_port.py).
 
 Trust: with ``TORCH_DATASERVICE_TOKEN`` set, a connection must present it first (compared in
 constant time), as every gRPC call must (auth.py); the port binds the worker's host, which
@@ -58,10 +63,13 @@ from torch_dataservice.wire.data_port import (
     UNAVAILABLE,
     UNKNOWN_TASK,
     VERSION,
+    FileRange,
     block_with_kernel_timeouts,
     recv_exactly,
     send_buffers,
 )
+from torch_dataservice.wire.inprocess import payload_nbytes
+from torch_dataservice.worker.shm import PiecedPayload
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +82,8 @@ MAX_HANDSHAKING = 128  # connections in their handshake at once (legitimate ones
 REAP_EVERY_S = 0.5  # how often the accept loops cut handshakes past their deadline
 STOP_GRACE_S = 0.5  # replies under way when the worker stops may finish (as gRPC's grace)
 SEND_TIMEOUT_S = 60.0  # a reader that stops reading mid-reply loses its connection
+# Bytes of sent replies the connections may hold for sendfile (see the module docstring).
+HELD_BYTES = 256 << 20
 
 
 def _listen_tcp(host: str, port: int = 0) -> socket.socket:
@@ -118,6 +128,7 @@ class DataPort:
         self._cut = PeerLog(logger, "cut a data-port connection that did not complete its "
                                     f"handshake within {HANDSHAKE_DEADLINE_S:.0f}s")
         self._threads: list[threading.Thread] = []
+        self._held_bytes = 0  # of replies sent from segments, until their readers ask again
         self._dir = ""
         self._stopped = False
         self.port = 0
@@ -222,6 +233,7 @@ class DataPort:
             self._cut.note(host, "idle or too slow")
 
     def _serve(self, conn: socket.socket) -> None:
+        held: list[Any] = []  # the last reply's payloads sent by sendfile (module docstring)
         try:
             if conn.family != socket.AF_UNIX:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -243,6 +255,7 @@ class DataPort:
                     head = _recv_head(conn)
                 except OSError:
                     return
+                held = self._let_go(held)  # the reader asked again, or went: it has read them
                 if len(head) < LENGTH.size:
                     return  # the client closed the connection
                 (size,) = LENGTH.unpack(head)
@@ -252,10 +265,11 @@ class DataPort:
                 request = worker_pb2.GetElementsRequest.FromString(recv_exactly(conn, size))
                 if plain:
                     conn.settimeout(None)  # blocking: SO_SNDTIMEO bounds each send
-                self._answer(conn, request)
+                held = self._answer(conn, request, plain)
         except Exception as error:  # a broken or misbehaving client: drop its connection
             logger.debug("data port connection closed: %s", error)
         finally:
+            self._let_go(held)
             with self._lock:
                 self._connections.discard(conn)
                 self._handshaking.pop(conn, None)
@@ -297,25 +311,61 @@ class DataPort:
         conn.sendall(ACCEPTED)
         return True
 
-    def _answer(self, conn: socket.socket, request: worker_pb2.GetElementsRequest) -> None:
+    def _answer(self, conn: socket.socket, request: worker_pb2.GetElementsRequest,
+                plain: bool) -> list[Any]:
+        """Send the reply to `request`; the payloads it sent by sendfile, to hold."""
         if not self._ready():
-            return _send_status(conn, UNAVAILABLE,
-                                "worker has not registered with the dispatcher yet")
+            _send_status(conn, UNAVAILABLE, "worker has not registered with the dispatcher yet")
+            return []
         try:
             header, payloads = self._fetch(request)
         except LookupError:
-            return _send_status(conn, UNKNOWN_TASK, f"task {request.task_id} is not known here yet")
+            _send_status(conn, UNKNOWN_TASK, f"task {request.task_id} is not known here yet")
+            return []
         except Exception as error:
             logger.exception("GetElements failed")
-            return _send_status(conn, INTERNAL, f"{type(error).__name__}: {error}")
+            _send_status(conn, INTERNAL, f"{type(error).__name__}: {error}")
+            return []
         for info, payload in zip(header.elements, payloads, strict=True):
-            info.size = memoryview(payload).nbytes
+            info.size = payload_nbytes(payload)
         if self.on_sent is not None and payloads:
             self.on_sent("unix" if conn.family == socket.AF_UNIX else "tcp", len(payloads),
                          sum(info.size for info in header.elements))
         header_bytes = header.SerializeToString()
-        head = STATUS_LENGTH.pack(OK, len(header_bytes)) + header_bytes
-        send_buffers(conn, [head, *payloads])
+        parts: list[Any] = [STATUS_LENGTH.pack(OK, len(header_bytes)) + header_bytes]
+        held: list[Any] = []
+        for info, payload in zip(header.elements, payloads, strict=True):
+            pieced = type(payload) is PiecedPayload
+            file = getattr(payload, "segment_file", None)
+            if plain and (pieced or file is not None) and self._may_hold(info.size):
+                # keeps its files open and its segment unused until the reader has it
+                held.append(payload)
+                parts.extend(payload.ranges() if file is None else
+                             [FileRange(file.fd, 0, info.size)])
+            else:
+                parts.extend(payload.views() if pieced else [payload])
+        try:
+            send_buffers(conn, parts)
+        except BaseException:
+            self._let_go(held)
+            raise
+        return held
+
+    def _may_hold(self, size: int) -> bool:
+        with self._lock:
+            if self._held_bytes + size > HELD_BYTES:
+                return False
+            self._held_bytes += size
+            return True
+
+    def _let_go(self, held: list[Any]) -> list[Any]:
+        """Release held payloads (their segments go back to the executor); an empty list."""
+        if held:
+            size = sum(payload_nbytes(payload) for payload in held)
+            with self._lock:
+                self._held_bytes -= size
+            held.clear()
+        return []
 
 
 def _recv_head(conn: socket.socket) -> bytes:

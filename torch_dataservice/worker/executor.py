@@ -47,6 +47,7 @@ from torch_dataservice.worker.messages import (
     Release,
     ReplicaKey,
     SegmentElement,
+    SharedElement,
     Shutdown,
     SmallElements,
     SplitDone,
@@ -65,7 +66,8 @@ logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = launch.FORK_TIMEOUT_S
 
 
-Arrived = tuple[ReplicaKey, SplitKey | None, int, bytes | memoryview | np.ndarray | LocalElement]
+Arrived = tuple[ReplicaKey, SplitKey | None, int,
+                bytes | memoryview | np.ndarray | shm.PiecedPayload | LocalElement]
 
 
 class ExecutorListener(Protocol):
@@ -270,6 +272,9 @@ class ExecutorPool:
                     slot.segments.add(segment, shm.recv_fd(slot.sock), capacity)
                 listener.on_elements(
                     ((key, split, offset, slot.segments.payload(segment, size)),))
+            case SharedElement(key, split, offset, size, pieces, files):  # fds follow
+                payload = shm.pieced_payload(pieces, shm.recv_fds(slot.sock, files), size)
+                listener.on_elements(((key, split, offset, payload),))
             case BigElement(key, split, offset, size):  # its payload follows as raw bytes
                 listener.on_elements(
                     ((key, split, offset, read_exactly(slot.conn.fileno(), size)),))

@@ -54,6 +54,7 @@ from torch_dataservice.worker.messages import (
     Release,
     ReplicaKey,
     SegmentElement,
+    SharedElement,
     Shutdown,
     SmallElements,
     SplitDone,
@@ -132,8 +133,55 @@ class _Segment:
     fd: int | None  # a new segment's, sent after the header (SCM_RIGHTS)
 
 
-_Outgoing = (_Small | _Local | _Big | _Segment | End | Failed | SplitRequest | SplitDone
-             | Blocked | Stages | CacheCounts | CacheUsed)
+@dataclass
+class _Shared:
+    header: SharedElement
+    fds: list[int]  # dups of the files', sent after the header (SCM_RIGHTS), then closed
+
+
+_Outgoing = (_Small | _Local | _Big | _Segment | _Shared | End | Failed | SplitRequest
+             | SplitDone | Blocked | Stages | CacheCounts | CacheUsed)
+
+# A payload whose tensors of at least codec.SHARED_MIN_BYTES are in shared memory already,
+# with at most SHARED_INLINE_BYTES of other bytes, is sent as those files (SharedElement),
+# not copied into a segment.
+SHARED_INLINE_BYTES = 1 << 20
+
+
+def _shared_element(key: ReplicaKey, split: SplitKey | None, offset: int, size: int,
+                    parts: list[codec.Part], shared: dict[int, tuple[int, int]]
+                    ) -> _Shared | None:
+    """The element as pieces of its tensors' shared-memory files (SharedElement), or None
+    when too little of it is in them. The files' fds are dup'ed: the tensors may go first."""
+    pieces: list[bytes | tuple[int, int, int]] = []
+    inline: list[codec.Part] = []
+    inline_bytes = 0
+    files: dict[int, int] = {}  # a storage's fd -> its number in the message
+    for index, part in enumerate(parts):
+        source = shared.get(index)
+        count = memoryview(part).nbytes
+        if source is None or count < codec.SHARED_MIN_BYTES:
+            inline.append(part)
+            inline_bytes += count
+            continue
+        if inline:
+            pieces.append(b"".join(inline))
+            inline = []
+        fd, at = source
+        pieces.append((files.setdefault(fd, len(files)), at, count))
+    if not files or inline_bytes > SHARED_INLINE_BYTES:
+        return None
+    if inline:
+        pieces.append(b"".join(inline))
+    fds: list[int] = []
+    try:
+        for fd in files:
+            fds.append(os.dup(fd))
+    except OSError:
+        for fd in fds:
+            os.close(fd)
+        return None  # out of descriptors: copy into a segment instead
+    return _Shared(SharedElement(key, split, offset, size, tuple(pieces), len(fds)), fds)
 
 
 class _Replica:
@@ -276,7 +324,9 @@ class _Replica:
                     del kept
                     count += 1
                     continue
-                parts = codec.encode(element, self._compression)
+                shared: dict[int, tuple[int, int]] | None = (
+                    {} if self._executor.sends_shared else None)
+                parts = codec.encode(element, self._compression, shared)
                 encoded = now()
                 encode += encoded - computed
                 size = codec.payload_size(parts)
@@ -284,7 +334,7 @@ class _Replica:
                 sent_at = time.monotonic()
                 sending = now() if size > INLINE_PAYLOAD_BYTES else 0.0  # a copy or a wait
                 self._executor.send_element(self.key, wire_split, offset, parts=parts,
-                                            size=size,
+                                            size=size, shared=shared,
                                             slow=sent_at - last_sent >= SLOW_ELEMENT_S)
                 if sending:
                     clock.times[stages.SEND] += now() - sending
@@ -380,12 +430,27 @@ class ExecutorLoop:
         assert self.local is not None
         self.send(_Local((key, split, offset, self.local.put(element))))
 
+    @property
+    def sends_shared(self) -> bool:
+        """Whether elements may go as files (the front's socket passes fds: SharedElement)."""
+        return self._segments is not None
+
     def send_element(self, key: ReplicaKey, split: SplitKey | None, offset: int, *,
-                     parts: list[codec.Part], size: int, slow: bool = False) -> None:
-        """Send an encoded element; a `slow` replica's small one is written right away."""
+                     parts: list[codec.Part], size: int,
+                     shared: dict[int, tuple[int, int]] | None = None,
+                     slow: bool = False) -> None:
+        """Send an encoded element; a `slow` replica's small one is written right away.
+        `shared`: its parts in shared-memory files (codec.encode)."""
         if size <= INLINE_PAYLOAD_BYTES:
             self.send(_Small((key, split, offset, b"".join(parts))), inline=slow)
             return
+        if shared and self._segments is not None:
+            # Its tensors' own pages: no copy here nor in the front (sendfile). As torch's
+            # DataLoader workers share such tensors, the pipeline must not change them after.
+            message = _shared_element(key, split, offset, size, parts, shared)
+            if message is not None:
+                self.send(message)
+                return
         if self._segments is not None and size >= shm.SHM_PAYLOAD_BYTES:
             # One copy into shared memory, and the replica is free: the front maps it.
             acquired = self._segments.acquire(size)
@@ -472,7 +537,7 @@ class ExecutorLoop:
             if message is None:
                 self._send_pending(pending)
                 return True
-            if not isinstance(message, (_Segment, _Big)):
+            if not isinstance(message, (_Segment, _Shared, _Big)):
                 pending.append(message)
                 continue
             self._send_pending(pending)  # a header goes alone: raw bytes or an fd follow it
@@ -485,6 +550,14 @@ class ExecutorLoop:
                             shm.send_fd(self._sock, fd)
                     finally:
                         if fd is not None:
+                            os.close(fd)
+                case _Shared(header, fds):
+                    try:
+                        self._conn.send(header)
+                        assert self._sock is not None  # set whenever segments are used
+                        shm.send_fds(self._sock, fds)
+                    finally:
+                        for fd in fds:
                             os.close(fd)
                 case _Big(header, parts, written):  # its header, then its parts raw
                     self._conn.send(header)

@@ -13,7 +13,10 @@ front -> executor                            executor -> front
   SplitReply    the splits asked for (or none) SegmentElement  a payload in shared memory
   Stop          stop a replica                                 (worker/shm.py); capacity > 0:
   FreeSegment   a segment may be reused                        a new segment, its fd follows
-  Shutdown      end the executor               End / Failed    a replica ended / failed
+  Shutdown      end the executor               SharedElement   a payload whose big tensors
+                                                               are in shared memory already;
+                                                               their files' fds follow
+                                               End / Failed    a replica ended / failed
                                                SplitRequest    a replica wants its next splits
                                                SplitDone       a replica finished a split
                                                Blocked         a replica waits for credits
@@ -123,6 +126,18 @@ class SegmentElement(NamedTuple):
     capacity: int
 
 
+class SharedElement(NamedTuple):
+    """A payload whose big tensors are in shared-memory files of their own (worker/shm.py):
+    `pieces` in order, each bytes or (file number, offset, count); the files' fds follow."""
+
+    key: ReplicaKey
+    split: SplitKey | None
+    offset: int
+    size: int
+    pieces: tuple[bytes | tuple[int, int, int], ...]
+    files: int
+
+
 class End(NamedTuple):
     key: ReplicaKey
 
@@ -194,7 +209,8 @@ class CacheUsed(NamedTuple):
 
 
 ToExecutor = DatasetBytes | Release | Start | Credit | SplitReply | Stop | FreeSegment | Shutdown
-FromExecutor = (SmallElements | LocalElements | BigElement | SegmentElement | End | Failed
+FromExecutor = (SmallElements | LocalElements | BigElement | SegmentElement | SharedElement
+                | End | Failed
                 | SplitRequest | SplitDone | Blocked | Stages | Ready | Bundle | CacheCounts
                 | CacheUsed)
 

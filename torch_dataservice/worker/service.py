@@ -14,6 +14,7 @@ from torch_dataservice.wire import frame
 from torch_dataservice.wire.inprocess import payload_nbytes
 from torch_dataservice.worker.local import encode_elements
 from torch_dataservice.worker.metrics import WorkerCounters
+from torch_dataservice.worker.shm import PiecedPayload
 from torch_dataservice.worker.tasks import TaskManager
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,9 @@ class WorkerService:
             header.has_error = True
             header.error.type, header.error.message, header.error.traceback = error
         payloads = [element.payload for element in elements]
+        if local or transport:  # not the data port, which sends pieced payloads as they are
+            payloads = [payload.joined() if type(payload) is PiecedPayload else payload
+                        for payload in payloads]
         if payloads and (local or transport):  # once per reply (the data port counts its own)
             self.counters.sent(transport or "local", len(payloads),
                                sum(payload_nbytes(p) for p in payloads))

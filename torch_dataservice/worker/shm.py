@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from torch_dataservice.wire.data_port import FileRange
+
 # Payloads this large go through shared memory; smaller ones are cheaper on the socket.
 SHM_PAYLOAD_BYTES = 1 << 20
 # Bytes of segments an executor keeps (in use or free); beyond it payloads take the socket.
@@ -102,7 +104,7 @@ class SegmentPool:
             self._total = 0
 
 
-def copy_into(mapping: mmap.mmap, parts: list[Any]) -> None:
+def copy_into(mapping: Any, parts: list[Any]) -> None:
     """Copy the encoded `parts` to the start of `mapping` (numpy copies without the GIL)."""
     target = np.frombuffer(mapping, dtype=np.uint8)
     offset = 0
@@ -114,20 +116,97 @@ def copy_into(mapping: mmap.mmap, parts: list[Any]) -> None:
 
 
 def send_fd(sock: socket.socket, fd: int) -> None:
-    sock.sendmsg([b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+    send_fds(sock, [fd])
+
+
+def send_fds(sock: socket.socket, fds: list[int]) -> None:
+    sock.sendmsg([b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
 
 
 def recv_fd(sock: socket.socket) -> int:
+    return recv_fds(sock, 1)[0]
+
+
+def recv_fds(sock: socket.socket, count: int) -> list[int]:
+    """The `count` file descriptors `send_fds` sent (OSError, with none left open, if not)."""
     fds = array.array("i")
-    data, ancdata, _, _ = sock.recvmsg(1, socket.CMSG_SPACE(fds.itemsize))
-    if not data:
-        raise EOFError("connection closed before a segment's file descriptor")
+    data, ancdata, _, _ = sock.recvmsg(1, socket.CMSG_SPACE(count * fds.itemsize))
     for level, kind, payload in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-    if len(fds) != 1:
-        raise OSError(f"expected one file descriptor with a segment, got {len(fds)}")
-    return fds[0]
+    if not data or len(fds) != count:
+        for fd in fds:
+            os.close(fd)
+        if not data:
+            raise EOFError("connection closed before a payload's file descriptors")
+        raise OSError(f"expected {count} file descriptors with a payload, got {len(fds)}")
+    return list(fds)
+
+
+class SegmentFile:
+    """A shared-memory file's descriptor, closed when the last holder lets go (the map, or
+    a payload the data port may still send from: its fd number must not be reused before)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._mapping: mmap.mmap | None = None
+        weakref.finalize(self, os.close, fd).atexit = False
+
+    def view(self, offset: int, count: int) -> memoryview:
+        """Bytes [offset, offset + count) of the file, through a read-only mapping of it."""
+        if self._mapping is None:
+            self._mapping = mmap.mmap(self.fd, 0, prot=mmap.PROT_READ)
+        return memoryview(self._mapping)[offset:offset + count]
+
+
+FilePiece = tuple[SegmentFile, int, int]  # (file, offset, count)
+
+
+class PiecedPayload:
+    """A payload whose big tensors stay in shared-memory files of their own (a
+    SharedElement: tensors the pipeline keeps in shared memory): the data port sends those
+    bytes from the files with sendfile, so neither the executor nor the front copies them.
+    Readers that need it in one buffer (gRPC, an in-process reader) get `joined()`, a copy.
+    The payload keeps its files open; the executor keeps nothing for it."""
+
+    __slots__ = ("nbytes", "pieces")
+
+    def __init__(self, pieces: list[bytes | FilePiece], nbytes: int) -> None:
+        self.pieces = pieces
+        self.nbytes = nbytes
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def ranges(self) -> list[Any]:
+        """The pieces for `wire.data_port.send_buffers`: bytes, and FileRange for files."""
+        return [piece if isinstance(piece, bytes) else FileRange(piece[0].fd, *piece[1:])
+                for piece in self.pieces]
+
+    def views(self) -> list[Any]:
+        """The pieces as buffers (files through read-only mappings)."""
+        return [piece if isinstance(piece, bytes) else piece[0].view(*piece[1:])
+                for piece in self.pieces]
+
+    def joined(self) -> np.ndarray:
+        out = np.empty(self.nbytes, dtype=np.uint8)
+        copy_into(out, self.views())
+        return out
+
+
+def pieced_payload(pieces: tuple[bytes | tuple[int, int, int], ...], fds: list[int],
+                   nbytes: int) -> PiecedPayload:
+    """A SharedElement's payload: `pieces` with file numbers resolved to `fds` (taken over)."""
+    files = [SegmentFile(fd) for fd in fds]
+    return PiecedPayload([piece if isinstance(piece, bytes)
+                          else (files[piece[0]], piece[1], piece[2]) for piece in pieces], nbytes)
+
+
+class SegmentPayload(np.ndarray):
+    """A payload in a segment: the data port sends it from `segment_file` with sendfile
+    (the kernel reads the pages; no copy in the front). None on views made from it."""
+
+    segment_file: SegmentFile | None = None
 
 
 class SegmentMap:
@@ -135,27 +214,28 @@ class SegmentMap:
 
     def __init__(self, free: Callable[[int], Any]) -> None:
         self._free = free  # tells the executor a segment may be reused
-        self._mappings: dict[int, mmap.mmap] = {}
+        self._mappings: dict[int, tuple[mmap.mmap, SegmentFile]] = {}
 
     def add(self, seg_id: int, fd: int, capacity: int) -> None:
-        try:
-            self._mappings[seg_id] = mmap.mmap(fd, capacity)
-        finally:
-            os.close(fd)
+        file = SegmentFile(fd)  # closes fd whatever happens next
+        self._mappings[seg_id] = mmap.mmap(fd, capacity), file
 
     def close(self) -> None:
         """Drop the mappings; one still under a payload goes with the payload's last view."""
         mappings, self._mappings = self._mappings, {}
-        for mapping in mappings.values():
+        for mapping, _ in mappings.values():
             try:
                 mapping.close()
             except BufferError:
                 pass
 
-    def payload(self, seg_id: int, size: int) -> np.ndarray:
+    def payload(self, seg_id: int, size: int) -> SegmentPayload:
         """The payload in segment `seg_id`: freed for reuse when the array and every view of
         it (tensors decoded over it included) are gone."""
-        array_ = np.frombuffer(self._mappings[seg_id], dtype=np.uint8, count=size)
+        mapping, file = self._mappings[seg_id]
+        array_ = np.frombuffer(mapping, dtype=np.uint8, count=size)
         finalizer = weakref.finalize(array_, self._free, seg_id)
         finalizer.atexit = False
-        return array_
+        payload = array_.view(SegmentPayload)
+        payload.segment_file = file
+        return payload
