@@ -10,7 +10,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +54,7 @@ class Queue:
 def start_grpc_server(
     register: Callable[[grpc.Server], None], host: str, port: int, max_workers: int = 64,
     tls: TLSConfig | None = None, max_receive_bytes: int | None = None,
-    executor: ThreadPoolExecutor | None = None, queue: Queue | None = None,
+    executor: Executor | None = None, queue: Queue | None = None,
 ) -> tuple[grpc.Server, int]:
     """Start a gRPC server with `register(server)` adding the servicers; returns (server, port).
     With `tls`, it serves over TLS only (and requires client certificates given a CA).

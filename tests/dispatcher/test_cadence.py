@@ -381,3 +381,49 @@ def test_a_reader_beating_at_its_stretched_interval_is_never_told_it_was_silent(
         interval = reply.next_heartbeat_ms / 1000
     assert client in service.state.clients
     service.close()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(30)
+def test_heartbeats_queued_for_a_handler_wait_behind_other_requests() -> None:
+    """A GetSplit that arrives while heartbeats wait for the handler threads is served
+    before them (real gRPC server and calls; the method is read from gRPC's call event)."""
+    import threading
+    import time
+
+    from torch_dataservice.serving import start_grpc_server
+
+    started, release, order = threading.Event(), threading.Event(), []
+
+    def handler(name: str):
+        def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
+            if name == "Block":
+                started.set()
+                release.wait(10)
+            order.append(name)
+            return b""
+        return grpc.unary_unary_rpc_method_handler(handle)
+
+    service = grpc.method_handlers_generic_handler(
+        "test.Queue", {name: handler(name) for name in
+                       ("Block", "ClientHeartbeat", "WorkerHeartbeat", "GetSplit")})
+    executor = cadence.QueuedExecutor(max_workers=1)
+    server, port = start_grpc_server(lambda s: s.add_generic_rpc_handlers((service,)),
+                                     "127.0.0.1", 0, executor=executor)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            def call(name: str):
+                return channel.unary_unary(f"/test.Queue/{name}").future(b"", timeout=10)
+
+            calls = [call("Block")]
+            assert started.wait(10)  # the one handler thread is busy
+            for name in ("ClientHeartbeat", "WorkerHeartbeat", "GetSplit"):
+                calls.append(call(name))
+                time.sleep(0.2)  # queued in this order
+            release.set()
+            for pending in calls:
+                pending.result()
+        assert order == ["Block", "GetSplit", "ClientHeartbeat", "WorkerHeartbeat"]
+    finally:
+        server.stop(None)
+        executor.shutdown(wait=False)

@@ -25,8 +25,9 @@ import contextlib
 import functools
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -259,15 +260,78 @@ _queued = threading.local()  # when the request this thread handles was queued
 _admitted = threading.local()  # whether it counts as pending (Cadence.waiting_for_disk)
 
 
-class QueuedExecutor(ThreadPoolExecutor):
-    """The gRPC server's handler threads, noting when each request was queued for one (see
+class QueuedExecutor(Executor):
+    """The gRPC server's handler threads, with a queue where heartbeats wait behind every
+    other request (a GetSplit overtakes the heartbeats queued before it: heartbeats are
+    stretched before splits are delayed), noting when each request was queued (see
     `admitted`): past capacity requests wait here, where no handler sees them otherwise."""
+
+    def __init__(self, max_workers: int, thread_name_prefix: str = "grpc") -> None:
+        self._cond = threading.Condition()
+        self._first: deque[Callable[[], None] | None] = deque()
+        self._heartbeats: deque[Callable[[], None] | None] = deque()
+        self._shutdown = False
+        self._threads = [threading.Thread(target=self._work, daemon=True,
+                                          name=f"{thread_name_prefix}_{i}")
+                         for i in range(max_workers)]
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         queued = time.monotonic()
+        future: Future[Any] = Future()
 
-        def timed() -> Any:
+        def timed() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
             _queued.at = queued
-            return fn(*args, **kwargs)
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as error:  # noqa: BLE001 - handed to the future
+                future.set_exception(error)
+            else:
+                future.set_result(result)
 
-        return super().submit(timed)
+        with self._cond:
+            if self._shutdown:
+                raise RuntimeError("cannot schedule new requests after shutdown")
+            queue = self._heartbeats if _method_of(args) in HEARTBEATS else self._first
+            queue.append(timed)
+            self._cond.notify()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._first or self._heartbeats):
+                    self._cond.wait()
+                task = (self._first or self._heartbeats).popleft()
+            if task is None:
+                return
+            task()
+            del task
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._cond:
+            self._shutdown = True
+            if cancel_futures:
+                self._first.clear()
+                self._heartbeats.clear()
+            self._heartbeats.extend([None] * len(self._threads))  # after what is queued
+            self._cond.notify_all()
+        if wait:
+            for thread in self._threads:
+                if thread is not threading.current_thread():
+                    thread.join()
+
+
+def _method_of(args: tuple[Any, ...]) -> str:
+    """The RPC's method name ("GetSplit") from what gRPC hands the executor (its call event,
+    which carries the call's details), or "" if none is there."""
+    for arg in args:
+        details = getattr(arg, "call_details", None)
+        if details is not None:
+            method = details.method
+            name = method.decode(errors="replace") if isinstance(method, bytes) else str(method)
+            return name.rsplit("/", 1)[-1]
+    return ""
