@@ -415,11 +415,18 @@ def test_heartbeats_queued_for_a_handler_wait_behind_other_requests() -> None:
             def call(name: str):
                 return channel.unary_unary(f"/test.Queue/{name}").future(b"", timeout=10)
 
+            def queued() -> int:
+                with executor._cond:
+                    return len(executor._first) + len(executor._heartbeats)
+
             calls = [call("Block")]
             assert started.wait(10)  # the one handler thread is busy
-            for name in ("ClientHeartbeat", "WorkerHeartbeat", "GetSplit"):
+            for count, name in enumerate(("ClientHeartbeat", "WorkerHeartbeat", "GetSplit")):
                 calls.append(call(name))
-                time.sleep(0.2)  # queued in this order
+                deadline = time.monotonic() + 10
+                while queued() <= count and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                assert queued() == count + 1  # queued in this order
             release.set()
             for pending in calls:
                 pending.result()
