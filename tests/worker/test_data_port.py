@@ -292,6 +292,16 @@ def test_a_worker_that_stalls_mid_reply_times_the_reader_out(tmp_path, kind: str
         thread.join(5)
 
 
+def eventually(condition, timeout_s: float = 5.0) -> bool:
+    """Whether `condition()` holds within `timeout_s` (segments go back on another thread)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def segment_payloads(sizes: list[int], freed: list[int]) -> tuple[list, list[bytes]]:
     """Payloads over real memfd segments (as the front holds an executor's), with what they
     hold; `freed` collects the segments given back."""
@@ -361,20 +371,14 @@ def test_a_reply_sent_by_sendfile_is_held_until_the_reader_asks_again(
     try:
         connection.fetch(request(1))
         worker.replies[1] = []  # the fake's references go: only the connection holds it
-        time.sleep(0.2)
+        time.sleep(0.2)  # room for a wrong early release to happen (none must)
         assert freed == []  # sent, but held: the reader has not asked again
         connection.fetch(request(2))
-        deadline = time.monotonic() + 5
-        while freed != [0] and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert freed == [0]  # asked again: the first reply's segment goes back
+        assert eventually(lambda: freed == [0])  # asked again: the first reply's segment goes back
         worker.replies[2] = []
     finally:
         connection.close()
-    deadline = time.monotonic() + 5
-    while sorted(freed) != [0, 1] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert sorted(freed) == [0, 1]  # closed: the last one goes back too
+    assert eventually(lambda: sorted(freed) == [0, 1])  # closed: the last one goes back too
 
 
 def test_held_replies_are_bounded(worker: FakeWorker, monkeypatch) -> None:
@@ -392,10 +396,8 @@ def test_held_replies_are_bounded(worker: FakeWorker, monkeypatch) -> None:
         worker.replies[1] = []
         assert bytes(second.fetch(request(2))[1][0]) == expected[1]
         worker.replies[2] = []
-        deadline = time.monotonic() + 5
-        while freed != [1] and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert freed == [1]  # over the bound: copied, so not held; the first one still is
+        # over the bound: copied, so not held; the first one still is
+        assert eventually(lambda: freed == [1])
     finally:
         first.close()
         second.close()
