@@ -5,12 +5,14 @@ A dispatcher and a worker (one executor process) run as CLI subprocesses. The pi
 out one pre-generated batch per element (made once per executor), so what is measured is the
 transport: executor -> worker front -> the data port -> this process, over TCP
 (`target_workers="ANY"`, as a remote trainer reads) and over the worker's Unix socket
-("LOCAL"). Each path runs twice: with the batch in ordinary memory (the executor copies it
-into a shared-memory segment, the front sends the segment with sendfile), and with the batch in
-shared memory (`share_memory_()`, as torch's DataLoader workers collate: the front sends the
-tensor's own pages, nobody copies before the reader). The baseline is a plain socket pair in
-two processes moving 9.6 MB messages (`sendall` to `recv_into`). Rounds are interleaved (raw,
-TCP, TCP shared, Unix, Unix shared, raw, ...); printed are the
+("LOCAL"). Each path runs three ways: with the batch in ordinary memory (the executor copies it
+into a shared-memory segment, the front sends the segment with sendfile); with the batch in
+shared memory (`share_memory_()`: the front sends the tensor's own pages, nobody copies before
+the reader); and "stacked": each batch stacked by `.batch(64)` from 64 images in the executor,
+as a real pipeline makes it (the stack's copy included: torch's collate in an executor stacks
+into the segment the payload is sent from, pipeline/collate.py). The baseline is a plain
+socket pair in two processes moving 9.6 MB messages (`sendall` to `recv_into`). Rounds are
+interleaved (raw, TCP, TCP shared, TCP stacked, Unix, ..., raw, ...); printed are the
 best MB/s of each (the least disturbed measurement on a shared machine), the median of each
 round's ratio to that round's raw TCP, and CPU-seconds per GB over every process involved
 (the reader, the worker with its executor, the dispatcher; for raw TCP both ends), which a busy
@@ -62,13 +64,30 @@ class DecodedBatch:
         return self._batch
 
 
+class DecodedImage:
+    """A map fn returning one image (a row of a batch made once per executor) and its label:
+    `.batch(64)` stacks 64 of them as a real pipeline does, so the stack's copy is in."""
+
+    def __init__(self) -> None:
+        self._batch = DecodedBatch()
+
+    def __call__(self, index: int):
+        images, labels = self._batch(0)
+        return images[index % len(images)], index
+
+
 def read_mb_per_s(address: str, target_workers: str, batches: int, warmup: int,
-                  pids: tuple[int, ...] = (), shared: bool = False
+                  pids: tuple[int, ...] = (), kind: str = "ordinary"
                   ) -> tuple[float, list[float]]:
     """(MB/s, CPU-seconds per GB of this process, and of each of `pids` with its
-    descendants). `shared`: the batch in shared memory."""
-    batch = DecodedBatch(shared)
-    pipeline = tds.Pipeline.range(batches + warmup).map(batch).apply(tds.distribute(
+    descendants). `kind`: "ordinary" or "shared" memory for a batch made once, or "stacked"
+    (each batch stacked by `.batch(64)` in the executor)."""
+    if kind == "stacked":
+        source = tds.Pipeline.range((batches + warmup) * BATCH_SHAPE[0]).map(
+            DecodedImage()).batch(BATCH_SHAPE[0])
+    else:
+        source = tds.Pipeline.range(batches + warmup).map(DecodedBatch(kind == "shared"))
+    pipeline = source.apply(tds.distribute(
         "parallel_epochs", f"grpc://{address}", compression=None,
         target_workers=target_workers))
     count, start = 0, 0.0
@@ -143,16 +162,17 @@ def main() -> None:
         proc, _ = spawn_server(["worker", "--dispatcher", address, "--processes", "1"])
         procs.append(proc)
         pids = tuple(p.pid for p in procs)  # the dispatcher, the worker
-        paths = {"TCP (ANY)": ("ANY", False), "TCP, shared": ("ANY", True),
-                 "Unix (LOCAL)": ("LOCAL", False), "Unix, shared": ("LOCAL", True)}
+        paths = {"TCP (ANY)": ("ANY", "ordinary"), "TCP, shared": ("ANY", "shared"),
+                 "TCP, stacked": ("ANY", "stacked"), "Unix (LOCAL)": ("LOCAL", "ordinary"),
+                 "Unix, shared": ("LOCAL", "shared"), "Unix, stacked": ("LOCAL", "stacked")}
         found: dict[str, list[tuple[float, list[float]]]] = {
             "raw TCP": [], **{label: [] for label in paths}}
         load = []
         for _ in range(args.rounds):
             found["raw TCP"].append(raw_tcp(args.batches))
-            for label, (target_workers, shared) in paths.items():
+            for label, (target_workers, kind) in paths.items():
                 found[label].append(read_mb_per_s(address, target_workers, args.batches,
-                                                  args.warmup, pids, shared))
+                                                  args.warmup, pids, kind))
             load.append(os.getloadavg()[0])
             print("  round: " + ", ".join(f"{k} {v[-1][0]:,.0f} MB/s {sum(v[-1][1]):.2f} s/GB"
                                           for k, v in found.items())
@@ -171,8 +191,9 @@ def main() -> None:
               + " + ".join(f"{c:.2f}" for c in cpu) + ")")
     print("  (CPU-s/GB: raw TCP's sender + receiver; the reader + the dispatcher + the worker "
           "with its executor)")
-    print("  (shared: the batch in shared memory, sent from its own pages)")
-    for label in ("TCP (ANY)", "TCP, shared"):
+    print("  (shared: the batch in shared memory, sent from its own pages; stacked: stacked "
+          "by .batch(64) in the executor)")
+    for label in ("TCP (ANY)", "TCP, shared", "TCP, stacked"):
         ratio = max(mbps for mbps, _ in found[label]) / raw
         print(f"{label} / raw TCP = {ratio:.2f} (target >= {TARGET_RATIO:.2f}: "
               f"{'met' if ratio >= TARGET_RATIO else 'NOT met'})")

@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import default_collate
 
 from torch_dataservice.pipeline._checks import (
     callable_name,
@@ -28,6 +27,7 @@ from torch_dataservice.pipeline._checks import (
     check_int,
     check_optional_int,
 )
+from torch_dataservice.pipeline.collate import is_default, stacking_collate
 from torch_dataservice.pipeline.context import ExecutionContext
 from torch_dataservice.pipeline.sources import Source
 
@@ -202,7 +202,9 @@ class Batch(Transform):
             check_callable("collate_fn", self.collate_fn)
 
     def iterate(self, upstream: Upstream, ctx: ExecutionContext) -> Iterator[Any]:
-        collate = self.collate_fn or default_collate
+        # torch's default, stacking big batches where an executor sends them from (collate.py)
+        collate = stacking_collate if is_default(self.collate_fn) else self.collate_fn
+        assert collate is not None
         iterator = upstream.open()
         try:
             batch: list[Any] = []

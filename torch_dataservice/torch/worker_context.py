@@ -14,7 +14,8 @@ given, never on which executor ran it or what ran there before. The lock also ma
 This runs once per batch, so it is kept cheap: a seeded state is installed by seeding (not made
 first, saved and restored), torch's CPU generator is seeded directly (`torch.manual_seed` also
 queues a lazy CUDA seed, formatting the whole call stack each time, about half a millisecond),
-and torch's `default_collate` stacks into ordinary memory (`plain_collate`).
+and torch's `default_collate` stacks into ordinary memory, or into the executor's own
+segments (`plain_collate`, pipeline/collate.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data._utils import worker as torch_worker
-from torch.utils.data._utils.collate import default_collate
+
+from torch_dataservice.pipeline.collate import is_default, stacking_collate
 
 _lock = threading.RLock()
 _MASK64 = (1 << 64) - 1
@@ -124,17 +126,19 @@ def plain_collate(collate_fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
     In a worker, `default_collate` stacks into a new shared-memory segment (torch's workers
     hand the batch to their main process that way): a file, a mapping and a page fault per
     page for every batch. A service worker encodes the batch into its own buffer anyway, so
-    that segment is pure cost; the values are the same. Any other collate_fn runs as given
+    that segment is pure cost; the values are the same. In an executor process big stacks go
+    into its own pooled segments instead (pipeline/collate.py), sent from there without a
+    copy. Any other collate_fn runs as given
     (it may ask `get_worker_info()`).
     """
-    if collate_fn is not default_collate:
+    if not is_default(collate_fn):
         return collate_fn
 
     def collate(batch: Any) -> Any:
         saved = torch_worker._worker_info
         torch_worker._worker_info = None
         try:
-            return default_collate(batch)
+            return stacking_collate(batch)
         finally:
             torch_worker._worker_info = saved
 

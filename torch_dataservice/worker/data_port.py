@@ -341,7 +341,7 @@ class DataPort:
                 # keeps its files open and its segment unused until the reader has it
                 held.append(payload)
                 parts.extend(payload.ranges() if file is None else
-                             [FileRange(file.fd, 0, info.size)])
+                             [FileRange(file.fd, payload.segment_start, info.size)])
             else:
                 parts.extend(payload.views() if pieced else [payload])
         try:

@@ -267,11 +267,11 @@ class ExecutorPool:
                 local = slot.local
                 listener.on_elements([(key, split, offset, local.pop(token))
                                       for key, split, offset, token in items])
-            case SegmentElement(key, split, offset, size, segment, capacity):  # shared memory
+            case SegmentElement(key, split, offset, size, segment, capacity, start):  # shm
                 if capacity:  # a new segment: its fd follows
                     slot.segments.add(segment, shm.recv_fd(slot.sock), capacity)
                 listener.on_elements(
-                    ((key, split, offset, slot.segments.payload(segment, size)),))
+                    ((key, split, offset, slot.segments.payload(segment, size, start)),))
             case SharedElement(key, split, offset, size, pieces, files):  # fds follow
                 payload = shm.pieced_payload(pieces, shm.recv_fds(slot.sock, files), size)
                 listener.on_elements(((key, split, offset, payload),))

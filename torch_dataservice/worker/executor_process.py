@@ -31,7 +31,13 @@ import cloudpickle
 
 from torch_dataservice.errors import describe_exception
 from torch_dataservice.observability import stages
-from torch_dataservice.pipeline import ExecutionContext, Pipeline, cache, shared_objects
+from torch_dataservice.pipeline import (
+    ExecutionContext,
+    Pipeline,
+    cache,
+    collate,
+    shared_objects,
+)
 from torch_dataservice.wire import codec
 from torch_dataservice.wire.inprocess import LocalElement
 from torch_dataservice.wire.splits import SplitKey
@@ -391,6 +397,8 @@ class ExecutorLoop:
                 self._segments = shm.SegmentPool()
         except OSError:
             pass
+        if self._segments is not None and local is None:  # a process of its own
+            collate.use_allocator(self._segments.array)
         self._sender = threading.Thread(target=self._send_loop, name="executor-send",
                                         daemon=True)
         self._sender.start()
@@ -452,6 +460,14 @@ class ExecutorLoop:
                 self.send(message)
                 return
         if self._segments is not None and size >= shm.SHM_PAYLOAD_BYTES:
+            # A batch stacked into a segment (pipeline/collate.py): the payload is written
+            # around it, and the batch goes out from where it is.
+            placed = self._segments.place(parts)
+            if placed is not None:
+                segment, start, capacity, fd = placed
+                self.send(_Segment(SegmentElement(key, split, offset, size, segment,
+                                                  0 if fd is None else capacity, start), fd))
+                return
             # One copy into shared memory, and the replica is free: the front maps it.
             acquired = self._segments.acquire(size)
             if acquired is not None:
@@ -660,6 +676,8 @@ class ExecutorLoop:
         self.send(None)  # write what is queued, then stop the sender
         self._sender.join(timeout=5)
         if self._segments is not None:
+            if self.local is None:
+                collate.use_allocator(None)
             self._segments.close()
         if self._sock is not None:
             self._sock.close()

@@ -124,6 +124,7 @@ class SegmentElement(NamedTuple):
     size: int
     segment: int
     capacity: int
+    start: int = 0  # where the payload starts in the segment
 
 
 class SharedElement(NamedTuple):

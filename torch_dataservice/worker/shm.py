@@ -9,6 +9,10 @@ numpy array over the segment; when the last reference to it is gone (the gRPC st
 it out, or an in-process reader's tensors built over it were freed), the front tells the
 executor to reuse the segment (`("free_segment", id)`).
 
+A batch can also be stacked into a segment in the first place (pipeline/collate.py, in an
+executor process): the payload is then written around it in place (`SegmentPool.place`), and
+the batch's 10 MB are not copied a second time.
+
 memfd segments have no name: nothing is left in /dev/shm whatever happens to either process,
 and the memory returns to the system when both sides dropped their mappings.
 """
@@ -21,6 +25,7 @@ import os
 import socket
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -33,25 +38,107 @@ SHM_PAYLOAD_BYTES = 1 << 20
 # Bytes of segments an executor keeps (in use or free); beyond it payloads take the socket.
 SHM_POOL_BYTES = 512 << 20
 _ROUND = 1 << 20  # segment sizes are multiples of this, so a segment fits similar payloads
+# A batch stacked into a segment (`SegmentPool.array`) starts this far in, leaving room for
+# the payload's header and pickle stream before it, and has this much room for what follows
+# it (a batch's labels): the payload is then written around the batch, not copied.
+ARRAY_OFFSET = 64 << 10
+ARRAY_TAIL = 64 << 10
 
 
 class SegmentPool:
-    """The executor's segments: acquire one for a payload, reuse it when the front frees it."""
+    """The executor's segments: acquire one for a payload, reuse it when the front frees it.
+
+    A segment may also hold a big batch *before* it is encoded (`array`: collate stacks into
+    it, pipeline/collate.py), so the payload is made around it in place (`place`) instead of
+    copied: such a segment is reused only when both the batch's memory is garbage here and
+    the front freed the payload. Each segment counts its holders (`_holds`).
+    """
 
     def __init__(self, limit: int = SHM_POOL_BYTES) -> None:
         self._limit = limit
         self._lock = threading.Lock()
         self._segments: dict[int, mmap.mmap] = {}
         self._free: set[int] = set()
+        self._holds: dict[int, int] = {}  # segments in use: how many holders
+        self._unsent: dict[int, int] = {}  # fds the front has not been sent yet
+        self._bases: dict[int, int] = {}  # each mapping's address
+        self._arrays: dict[int, tuple[int, int]] = {}  # (offset, bytes) of a batch's memory
+        self._placed: set[int] = set()  # segments whose batch went out in place already
+        # Batches' memory found garbage (weakref callbacks may run anywhere, even inside a
+        # method of this pool on the same thread): applied under the lock by the next call.
+        self._dead: deque[int] = deque()
         self._total = 0
         self._next_id = 0
 
     def acquire(self, size: int) -> tuple[int, mmap.mmap, int | None] | None:
-        """(segment id, its mapping, its fd if new) for `size` bytes; None if the pool is full.
-
-        The caller sends a new segment's fd to the front, then closes it.
-        """
+        """(segment id, its mapping, its fd if not sent yet) for `size` bytes; None if the
+        pool is full. The caller sends that fd to the front, then closes it."""
+        acquired = self._acquire(size)
+        if acquired is None:
+            return None
         with self._lock:
+            return acquired[0], acquired[1], self._unsent.pop(acquired[0], None)
+
+    def array(self, nbytes: int) -> np.ndarray | None:
+        """Writable memory for a batch of `nbytes` that `place` can send without a copy (None:
+        too small to pay, or the pool is full). Kept until the array (and every view of it,
+        tensors included) is garbage and the front freed what was sent from it."""
+        if nbytes < SHM_PAYLOAD_BYTES:
+            return None
+        acquired = self._acquire(ARRAY_OFFSET + nbytes + ARRAY_TAIL)
+        if acquired is None:
+            return None
+        seg_id, mapping = acquired
+        memory = np.frombuffer(mapping, dtype=np.uint8, count=nbytes, offset=ARRAY_OFFSET)
+        with self._lock:
+            self._arrays[seg_id] = (ARRAY_OFFSET, nbytes)
+        finalizer = weakref.finalize(memory, self._dead.append, seg_id)
+        finalizer.atexit = False
+        return memory
+
+    def place(self, parts: list[Any]) -> tuple[int, int, int, int | None] | None:
+        """If one of the encoded `parts` is exactly the memory of an `array` (a batch stacked
+        there), write the others around it and return (segment id, where the payload starts,
+        the segment's capacity, its fd if not sent yet): the payload is in the segment with
+        no copy of the batch. None if no part is, or the others do not fit around it."""
+        with self._lock:
+            self._reap()
+            if not self._arrays:
+                return None
+            found = None
+            for index, part in enumerate(parts):
+                view = memoryview(part)
+                if view.nbytes < SHM_PAYLOAD_BYTES:
+                    continue
+                address = np.frombuffer(view, dtype=np.uint8).ctypes.data
+                for seg_id, (offset, nbytes) in self._arrays.items():
+                    if (nbytes == view.nbytes and address == self._bases[seg_id] + offset
+                            and seg_id not in self._placed):
+                        found = index, seg_id, offset
+                        break
+                if found is not None:
+                    break
+            if found is None:
+                return None
+            index, seg_id, offset = found
+            mapping = self._segments[seg_id]
+            before = sum(memoryview(part).nbytes for part in parts[:index])
+            after = sum(memoryview(part).nbytes for part in parts[index + 1:])
+            end = offset + memoryview(parts[index]).nbytes
+            if before > offset or end + after > len(mapping):
+                return None
+            self._placed.add(seg_id)  # sent once in place; sent again, it is copied
+            self._holds[seg_id] += 1  # the front's payload
+            fd = self._unsent.pop(seg_id, None)
+        target = np.frombuffer(mapping, dtype=np.uint8)
+        _write(target, offset - before, parts[:index])
+        _write(target, end, parts[index + 1:])
+        del target
+        return seg_id, offset - before, len(mapping), fd
+
+    def _acquire(self, size: int) -> tuple[int, mmap.mmap] | None:
+        with self._lock:
+            self._reap()
             best = None
             for seg_id in self._free:
                 capacity = len(self._segments[seg_id])
@@ -59,7 +146,8 @@ class SegmentPool:
                     best = seg_id
             if best is not None:
                 self._free.discard(best)
-                return best, self._segments[best], None
+                self._holds[best] = 1
+                return best, self._segments[best]
             capacity = -(-size // _ROUND) * _ROUND
             while self._total + capacity > self._limit and self._free:
                 self._drop(min(self._free, key=lambda s: len(self._segments[s])))
@@ -77,18 +165,46 @@ class SegmentPool:
             with self._lock:
                 self._total -= capacity
             raise
+        base = np.frombuffer(mapping, dtype=np.uint8)
+        address = base.ctypes.data
+        del base
         with self._lock:
             self._segments[seg_id] = mapping
-        return seg_id, mapping, fd
+            self._bases[seg_id] = address
+            self._unsent[seg_id] = fd
+            self._holds[seg_id] = 1
+        return seg_id, mapping
 
     def release(self, seg_id: int) -> None:
+        """The front freed the payload sent from `seg_id`."""
         with self._lock:
-            if seg_id in self._segments:
-                self._free.add(seg_id)
+            self._release(seg_id)
+            self._reap()
+
+    def _reap(self) -> None:
+        while self._dead:
+            self._release(self._dead.popleft())
+
+    def _release(self, seg_id: int) -> None:
+        holds = self._holds.get(seg_id)
+        if holds is None:
+            return
+        if holds > 1:
+            self._holds[seg_id] = holds - 1
+            return
+        del self._holds[seg_id]
+        self._arrays.pop(seg_id, None)
+        self._placed.discard(seg_id)
+        if seg_id in self._segments:
+            self._free.add(seg_id)
 
     def _drop(self, seg_id: int) -> None:
         self._free.discard(seg_id)
         mapping = self._segments.pop(seg_id)
+        self._bases.pop(seg_id, None)
+        fd = self._unsent.pop(seg_id, None)
+        if fd is not None:
+            os.close(fd)
         self._total -= len(mapping)
         mapping.close()
 
@@ -99,19 +215,25 @@ class SegmentPool:
                     mapping.close()
                 except BufferError:  # still exported by a view: freed with it
                     pass
+            for fd in self._unsent.values():
+                os.close(fd)
             self._segments.clear()
+            self._unsent.clear()
             self._free.clear()
             self._total = 0
+
+
+def _write(target: np.ndarray, offset: int, parts: list[Any]) -> None:
+    for part in parts:
+        source = np.frombuffer(part, dtype=np.uint8)
+        target[offset:offset + source.size] = source
+        offset += source.size
 
 
 def copy_into(mapping: Any, parts: list[Any]) -> None:
     """Copy the encoded `parts` to the start of `mapping` (numpy copies without the GIL)."""
     target = np.frombuffer(mapping, dtype=np.uint8)
-    offset = 0
-    for part in parts:
-        source = np.frombuffer(part, dtype=np.uint8)
-        target[offset:offset + source.size] = source
-        offset += source.size
+    _write(target, 0, parts)
     del target
 
 
@@ -207,6 +329,7 @@ class SegmentPayload(np.ndarray):
     (the kernel reads the pages; no copy in the front). None on views made from it."""
 
     segment_file: SegmentFile | None = None
+    segment_start = 0  # where the payload starts in the file
 
 
 class SegmentMap:
@@ -229,13 +352,14 @@ class SegmentMap:
             except BufferError:
                 pass
 
-    def payload(self, seg_id: int, size: int) -> SegmentPayload:
-        """The payload in segment `seg_id`: freed for reuse when the array and every view of
-        it (tensors decoded over it included) are gone."""
+    def payload(self, seg_id: int, size: int, start: int = 0) -> SegmentPayload:
+        """The payload at `start` in segment `seg_id`: freed for reuse when the array and
+        every view of it (tensors decoded over it included) are gone."""
         mapping, file = self._mappings[seg_id]
-        array_ = np.frombuffer(mapping, dtype=np.uint8, count=size)
+        array_ = np.frombuffer(mapping, dtype=np.uint8, count=size, offset=start)
         finalizer = weakref.finalize(array_, self._free, seg_id)
         finalizer.atexit = False
         payload = array_.view(SegmentPayload)
         payload.segment_file = file
+        payload.segment_start = start
         return payload
