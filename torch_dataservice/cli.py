@@ -274,6 +274,7 @@ def _tls(args: argparse.Namespace) -> TLSConfig | None:
 
 def _run_dispatcher(args: argparse.Namespace, signals: _Signals) -> int:
     from torch_dataservice.dispatcher.server import DispatchServer
+    from torch_dataservice.gc_pacing import GcPacing
 
     addresses = args.worker_addresses.split(",") if args.worker_addresses else None
     server = DispatchServer(DispatcherConfig(
@@ -284,12 +285,14 @@ def _run_dispatcher(args: argparse.Namespace, signals: _Signals) -> int:
         heartbeat_budget_rps=args.heartbeat_budget_rps, max_pending_rpcs=args.max_pending_rpcs,
         max_dataset_bytes=args.max_dataset_bytes, max_datasets=args.max_datasets,
         max_workers=args.max_workers, tls=_tls(args)))
+    pacing = GcPacing().install()  # this process is the dispatcher: short GC pauses
     if args.port_file:
         write_port_file(args.port_file, server.address)
     print(f"dispatcher serving at {server.target}", flush=True)
     while not (signals.stop.wait(0.2) or signals.drain.is_set() or server.join(timeout=0)):
         pass
     server.stop()
+    pacing.uninstall()
     return 0
 
 
