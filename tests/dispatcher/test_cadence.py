@@ -385,9 +385,12 @@ def test_a_reader_beating_at_its_stretched_interval_is_never_told_it_was_silent(
 
 @pytest.mark.integration
 @pytest.mark.timeout(30)
-def test_heartbeats_queued_for_a_handler_wait_behind_other_requests() -> None:
+@pytest.mark.parametrize("registered", [True, False], ids=["registered", "generic"])
+def test_heartbeats_queued_for_a_handler_wait_behind_other_requests(registered: bool) -> None:
     """A GetSplit that arrives while heartbeats wait for the handler threads is served
-    before them (real gRPC server and calls; the method is read from gRPC's call event)."""
+    before them (real gRPC server and calls; the method is read from gRPC's call event).
+    Registered methods are what the dispatcher's generated service adds: their call event
+    names the method elsewhere than a generic handler's."""
     import threading
     import time
 
@@ -404,12 +407,18 @@ def test_heartbeats_queued_for_a_handler_wait_behind_other_requests() -> None:
             return b""
         return grpc.unary_unary_rpc_method_handler(handle)
 
-    service = grpc.method_handlers_generic_handler(
-        "test.Queue", {name: handler(name) for name in
-                       ("Block", "ClientHeartbeat", "WorkerHeartbeat", "GetSplit")})
+    handlers = {name: handler(name) for name in
+                ("Block", "ClientHeartbeat", "WorkerHeartbeat", "GetSplit")}
+
+    def add(server: grpc.Server) -> None:
+        if registered:
+            server.add_registered_method_handlers("test.Queue", handlers)
+        else:
+            server.add_generic_rpc_handlers(
+                (grpc.method_handlers_generic_handler("test.Queue", handlers),))
+
     executor = cadence.QueuedExecutor(max_workers=1)
-    server, port = start_grpc_server(lambda s: s.add_generic_rpc_handlers((service,)),
-                                     "127.0.0.1", 0, executor=executor)
+    server, port = start_grpc_server(add, "127.0.0.1", 0, executor=executor)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             def call(name: str):

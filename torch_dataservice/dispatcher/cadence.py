@@ -326,12 +326,14 @@ class QueuedExecutor(Executor):
 
 
 def _method_of(args: tuple[Any, ...]) -> str:
-    """The RPC's method name ("GetSplit") from what gRPC hands the executor (its call event,
-    which carries the call's details), or "" if none is there."""
+    """The RPC's method name ("GetSplit") from what gRPC hands the executor (its call event),
+    or "" if none is there. A registered method's call (generated stubs, as the dispatcher's
+    services are added) names it in the event's tag, its details' method left empty; a
+    generic handler's call names it in its details."""
     for arg in args:
         details = getattr(arg, "call_details", None)
         if details is not None:
-            method = details.method
+            method = details.method or getattr(arg, "tag", None) or ""
             name = method.decode(errors="replace") if isinstance(method, bytes) else str(method)
             return name.rsplit("/", 1)[-1]
     return ""
