@@ -135,6 +135,12 @@ class Cadence:
         return self.population * self.load
 
     # ------------------------------------------------------------------ per request
+    @staticmethod
+    def queued_at() -> float | None:
+        """When the request this thread handles was queued for a handler thread
+        (time.monotonic; None outside a QueuedExecutor)."""
+        return getattr(_queued, "at", None)
+
     def admit(self, method: str, queued_s: float = 0.0) -> float | None:
         """Count a request in; None if admitted (call `done` after), else the retry-after (s).
         `queued_s`: how long it waited for a handler thread."""

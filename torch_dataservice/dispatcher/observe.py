@@ -57,8 +57,9 @@ class DispatcherObserver:
 
             self.registry = metrics.new_registry()
             self._rpc_seconds = Histogram(
-                "tds_dispatcher_rpc_seconds", "Dispatcher RPC handling time (journal sync "
-                "included)", ["method"], registry=self.registry, buckets=RPC_BUCKETS)
+                "tds_dispatcher_rpc_seconds", "Dispatcher RPC time from its arrival in the "
+                "handler threads' queue to its reply (journal sync included)", ["method"],
+                registry=self.registry, buckets=RPC_BUCKETS)
             self._fsync_seconds = Histogram(
                 "tds_dispatcher_journal_fsync_seconds", "Journal fsync time (fault-tolerant "
                 "mode)", registry=self.registry, buckets=FSYNC_BUCKETS)
