@@ -61,3 +61,32 @@ def test_durable_is_the_journal_s_decorator() -> None:
     from torch_dataservice.dispatcher import journal
 
     assert service.durable is journal.durable
+
+
+def test_a_request_is_timed_from_its_arrival_in_the_handler_queue() -> None:
+    """tds_dispatcher_rpc_seconds counts the wait for a handler thread too: past capacity
+    that wait is most of a request's latency, and a handler's own time alone would hide it."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from torch_dataservice.dispatcher import cadence, journal, observe
+
+    observer = observe.DispatcherObserver(with_metrics=True)
+    host = SimpleNamespace(_cadence=cadence.Cadence(budget_rps=100, max_pending=8),
+                           _journal=journal.NullJournal(), _observe=observer)
+
+    @journal.durable
+    def GetSplit(self, request, context):  # noqa: N802 - as gRPC names it
+        return "reply"
+
+    def handled_after_waiting(queued_s: float) -> None:
+        cadence._queued.at = time.monotonic() - queued_s  # as QueuedExecutor notes it
+        assert GetSplit(host, None, None) == "reply"
+
+    thread = threading.Thread(target=handled_after_waiting, args=(0.5,))
+    thread.start()
+    thread.join(10)
+    total = observer.registry.get_sample_value("tds_dispatcher_rpc_seconds_sum",
+                                               {"method": "GetSplit"})
+    assert total is not None and total >= 0.5
