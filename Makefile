@@ -27,7 +27,7 @@ run: setup
 
 test: setup
 	$(PY) -m compileall -q torch_dataservice tests benchmarks examples > /dev/null
-	$(PY) -m pytest -q -n $(TEST_PROCS) --dist loadgroup
+	$(PY) -m pytest -q -n $(TEST_PROCS) --dist loadscope
 
 lint: setup
 	$(PY) -m ruff check .

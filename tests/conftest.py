@@ -107,23 +107,37 @@ SERVER_FIXTURES = frozenset({
 })
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
-        item.add_marker(pytest.mark.xdist_group(_run_group(item)))
     # The fleet tests (minutes, one process) first: run last, they would leave the other
-    # process idle at the end (pytest-xdist hands out groups in this order).
-    items.sort(key=lambda item: _run_group(item) != "fleet")
+    # process idle at the end (the scheduler below hands out groups in this order).
+    items.sort(key=lambda item: run_group(item.nodeid) != "fleet")
 
 
-def _run_group(item: pytest.Item) -> str:
-    """Under `make test`'s `-n 2 --dist loadgroup`, the tests of one group run in one process,
-    one after another: a module's (its module-scoped clusters start once), and every fleet
-    test's (tests/fleet/: a fleet takes gigabytes and both cores' worth of servers)."""
-    module = item.nodeid.split("::", 1)[0]
+def run_group(nodeid: str) -> str:
+    """Under `make test`'s `-n 2 --dist loadscope`, the tests of one group run in one
+    process, one after another: a module's (its module-scoped clusters start once), and every
+    fleet test's (tests/fleet/: a fleet takes gigabytes and both cores' worth of servers)."""
+    module = nodeid.split("::", 1)[0]
     return "fleet" if module.startswith("tests/fleet/") else module
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """pytest-xdist's scope scheduling, with `run_group` as the scope. (Its own loadgroup
+    marks name the group in a test's node id, which pytest 9.2 no longer lets a plugin
+    change: every test was scheduled alone, a module's clusters started twice, and two fleets
+    ran at once.)"""
+    if config.getvalue("dist") not in ("loadscope", "loadgroup"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RunGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return run_group(nodeid)
+
+    return RunGroups(config, log)
 
 
 def _refuse(what: str) -> Callable[..., Any]:

@@ -4,9 +4,11 @@ torch.utils.data.DataLoader does (each test computes torch's own outcome as the 
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -118,32 +120,41 @@ def test_iterable_errors_go_on_or_end_as_with_torch(cluster: Cluster, num_worker
     assert ours == expected
 
 
-class Sleepy(Dataset):
-    """torch's SleepDataset: the first sample takes longer than the timeout (1 s) by a second,
-    however late the worker starts it."""
+class Gated(Dataset):
+    """torch's SleepDataset, made certain: the first sample waits for a file that the test
+    makes once the loader has timed out. (A 2 s sleep raced on a loaded machine: when the
+    caller ran a second late after the job started, the batch was there before its timeout.)"""
+
+    def __init__(self, gate: str) -> None:
+        self.gate = gate
 
     def __len__(self) -> int:
         return 4
 
     def __getitem__(self, index: int) -> int:
         if index == 0:
-            time.sleep(2.0)
+            deadline = time.monotonic() + 60
+            while not os.path.exists(self.gate) and time.monotonic() < deadline:
+                time.sleep(0.02)
         return index
 
 
-def test_timeout_raises_torchs_error_then_waits_again(cluster: Cluster) -> None:
+def test_timeout_raises_torchs_error_then_waits_again(cluster: Cluster, tmp_path: Path) -> None:
     pattern = r"DataLoader timed out after \d+ seconds"  # what torch's own suite checks
     for loader_type, extra in ((torch.utils.data.DataLoader, {}),
                                (tds.DataLoader, {"service": cluster.target})):
-        loader = loader_type(Sleepy(), batch_size=2, num_workers=2, timeout=1, **extra)
+        gate = tmp_path / f"open-{loader_type.__module__}"
+        loader = loader_type(Gated(str(gate)), batch_size=2, num_workers=2, timeout=1, **extra)
         iterator = iter(loader)
-        with pytest.raises(RuntimeError) as info:
-            next(iterator)
-        assert re.search(pattern, str(info.value)), (loader_type, str(info.value))
+        try:
+            with pytest.raises(RuntimeError) as info:
+                next(iterator)
+            assert re.search(pattern, str(info.value)), (loader_type, str(info.value))
+        finally:
+            gate.touch()  # the first sample may finish now
         if loader_type is tds.DataLoader:
             # As torch's does, the iterator waits again on each next call: the batch comes
-            # once ready. (A fixed sleep here raced the slow sample on a loaded machine: the
-            # executor may start it late.)
+            # once ready.
             batch = None
             for _ in range(30):
                 try:

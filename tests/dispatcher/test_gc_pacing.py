@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from torch_dataservice.gc_pacing import GcPacing
+from torch_dataservice.dispatcher.gc_pacing import GcPacing
 
 
 class Node:
