@@ -15,6 +15,7 @@ from torch.utils.data import BatchSampler, Dataset, IterableDataset, SequentialS
 
 import torch_dataservice as tds
 from tests.conftest import Cluster, subprocess_env
+from torch_dataservice.worker import shm
 
 
 class Records(Dataset):
@@ -262,3 +263,42 @@ def test_loaders_with_one_job_name_share_each_epoch(cluster: Cluster) -> None:
     for thread in threads:
         thread.join(30)
     assert sorted(got[0] + got[1]) == list(range(30))  # first come, first served
+
+
+class Images(Dataset):
+    """(3, 64, 64) uint8 images of noise seeded by their index (not worth compressing, as
+    decoded photos), and the index: a batch of 128 is 1.5 MB, so an executor stacks it into
+    one of its segments (pipeline/collate.py)."""
+
+    def __len__(self) -> int:
+        return 1024
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        generator = torch.Generator().manual_seed(index)
+        return torch.randint(0, 256, (3, 64, 64), dtype=torch.uint8,
+                             generator=generator), index
+
+
+@pytest.mark.timeout(120)
+def test_big_batches_stacked_in_the_executor_are_torchs(cluster: Cluster) -> None:
+    """Through the cluster's executor process, over its Unix socket or TCP: every batch is
+    what torch's DataLoader collates, none overwritten by a later one while all are kept."""
+    expected = list(torch.utils.data.DataLoader(Images(), batch_size=128))
+    for target_workers in ("ANY", "LOCAL"):
+        kept = list(tds.DataLoader(Images(), batch_size=128, num_workers=2,
+                                   service=cluster.target, target_workers=target_workers))
+        assert len(kept) == len(expected) == 8
+        for (images, labels), (want_images, want_labels) in zip(kept, expected, strict=True):
+            assert images.shape == (128, 3, 64, 64) and torch.equal(labels, want_labels)
+            assert torch.equal(images, want_images)
+        if target_workers == "LOCAL":  # read in this process: each batch is where it was
+            spans = _segment_spans()  # stacked, not at its payload's start (a copy's place)
+            for images, _ in kept:
+                start = max(s for s in spans if s <= images.data_ptr())
+                assert images.data_ptr() - start == shm.ARRAY_OFFSET
+
+
+def _segment_spans() -> set[int]:
+    """Start addresses of this process's mappings of executors' segments."""
+    with open("/proc/self/maps") as maps:
+        return {int(line.split("-", 1)[0], 16) for line in maps if "tds-segment" in line}
