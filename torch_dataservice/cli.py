@@ -273,8 +273,8 @@ def _tls(args: argparse.Namespace) -> TLSConfig | None:
 
 
 def _run_dispatcher(args: argparse.Namespace, signals: _Signals) -> int:
-    from torch_dataservice.dispatcher.server import DispatchServer
     from torch_dataservice.dispatcher.gc_pacing import GcPacing
+    from torch_dataservice.dispatcher.server import DispatchServer
 
     addresses = args.worker_addresses.split(",") if args.worker_addresses else None
     server = DispatchServer(DispatcherConfig(
