@@ -111,9 +111,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
-    # The fleet tests (minutes, one process) first: run last, they would leave the other
-    # process idle at the end (the scheduler below hands out groups in this order).
-    items.sort(key=lambda item: run_group(item.nodeid) != "fleet")
+    # The longest groups first: the fleet tests (minutes, one process), then the fault tests
+    # (real processes killed and restarted). Run last, they would leave the other process
+    # idle at the end (the scheduler below hands out groups in this order).
+    items.sort(key=lambda item: _start_rank(item.nodeid))
+
+
+def _start_rank(nodeid: str) -> int:
+    if run_group(nodeid) == "fleet":
+        return 0
+    return 1 if nodeid.startswith("tests/fault/") else 2
 
 
 def run_group(nodeid: str) -> str:
@@ -137,6 +144,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         def _split_scope(self, nodeid: str) -> str:
             return run_group(nodeid)
 
+    config.option.loadscopereorder = False  # our order (above), not by number of tests
     return RunGroups(config, log)
 
 

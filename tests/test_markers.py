@@ -45,15 +45,17 @@ def test_a_test_using_a_server_fixture_is_marked_integration() -> None:
     assert [mark.name for mark in marks] == ["integration"]
 
 
-def test_the_fleet_tests_go_first_each_groups_tests_in_their_order() -> None:
+def test_the_fleet_then_the_fault_tests_go_first_each_groups_tests_in_their_order() -> None:
     items = [SimpleNamespace(fixturenames=[], add_marker=lambda mark: None, nodeid=nodeid)
-             for nodeid in ("tests/a/test_x.py::test_one", "tests/a/test_x.py::test_two[1]",
+             for nodeid in ("tests/a/test_x.py::test_one", "tests/fault/test_k.py::test_k",
+                            "tests/a/test_x.py::test_two[1]",
                             "tests/fleet/test_fleet.py::test_t", "tests/fleet/test_h.py::t")]
     conftest.pytest_collection_modifyitems(items)  # type: ignore[arg-type]
     assert [conftest.run_group(item.nodeid) for item in items] == [
-        "fleet", "fleet", "tests/a/test_x.py", "tests/a/test_x.py"]
+        "fleet", "fleet", "tests/fault/test_k.py", "tests/a/test_x.py", "tests/a/test_x.py"]
     assert [item.nodeid for item in items] == [
         "tests/fleet/test_fleet.py::test_t", "tests/fleet/test_h.py::t",
+        "tests/fault/test_k.py::test_k",
         "tests/a/test_x.py::test_one", "tests/a/test_x.py::test_two[1]"]
 
 
