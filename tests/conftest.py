@@ -292,6 +292,7 @@ class ServerProcess:
         self.proc: subprocess.Popen[str]
         self.lines: list[str] = []
         self.address = ""
+        self._line_came = threading.Event()  # set by each line collected
         self._start()
 
     def _start(self) -> None:
@@ -301,14 +302,19 @@ class ServerProcess:
             [sys.executable, "-m", "torch_dataservice", *self.args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             text=True, env=self._env, cwd=str(REPO), start_new_session=True)
-        threading.Thread(target=self._collect, args=(self.proc, self.lines),
+        self._follow()
+
+    def _follow(self) -> None:
+        """Collect the started process's output lines (in a thread)."""
+        threading.Thread(target=self._collect, args=(self.proc, self.lines, self._line_came),
                          daemon=True).start()
 
     @staticmethod
-    def _collect(proc: subprocess.Popen[str], lines: list[str]) -> None:
+    def _collect(proc: subprocess.Popen[str], lines: list[str], came: threading.Event) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line.rstrip("\n"))
+            came.set()
 
     @property
     def output(self) -> str:
@@ -318,6 +324,7 @@ class ServerProcess:
         """Wait for the 'serving at ADDRESS' line; returns ADDRESS (without grpc://)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            self._line_came.clear()  # a line collected from now on ends the wait below
             for line in list(self.lines):
                 if line.startswith(("dispatcher serving at ", "worker serving at ")):
                     self.address = line.split(" serving at ", 1)[1].split()[0].removeprefix(
@@ -326,7 +333,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 pytest.fail(f"{self.args[0]} exited with {self.proc.returncode} before serving:"
                             f"\n{self.output}")
-            time.sleep(0.05)
+            self._line_came.wait(0.05)
         pytest.fail(f"{self.args[0]} did not print 'serving at' within {timeout_s}s:\n"
                     f"{self.output}")
 

@@ -321,13 +321,17 @@ def _run_worker(args: argparse.Namespace, signals: _Signals) -> int:
         metrics_port=args.metrics_port, tls=_tls(args),
         executor_torch_threads=args.executor_torch_threads or None))
     announced = False
-    while not (signals.stop.wait(0.2) or signals.drain.is_set() or worker.join(timeout=0)):
+    while True:
         if worker.registered and not announced:  # "serving" means: the dispatcher accepted it
             announced = True
             if args.port_file:
                 write_port_file(args.port_file, worker.address)
             print(f"worker serving at {worker.address} (gRPC port {worker.port}, data port "
                   f"{worker.data_port})", flush=True)
+        # Until it is announced, look often: whoever starts the worker waits for that line.
+        if (signals.stop.wait(0.2 if announced else 0.01) or signals.drain.is_set()
+                or worker.join(timeout=0)):
+            break
     if signals.drain.is_set() and not signals.stop.is_set() and worker.refused is None:
         worker.drain(stop=signals.stop)  # SIGTERM: hand back what it holds, then exit 0
     worker.stop()

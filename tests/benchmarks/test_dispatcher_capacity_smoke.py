@@ -37,8 +37,9 @@ def test_dispatcher_capacity_runs_and_prints_its_table(tmp_path: Path) -> None:
     assert all(r["split_rps"] > 0 and r["split_p50_ms"] > 0 and r["splits_per_ask"] >= 1
                and r["attempted_rps"] >= r["achieved_rps"] for r in rows)
     # A small fleet: the default intervals, nothing refused, the simulators' CPU apart.
+    # (Run beside the rest of the suite: a busy host must not make it refuse or stretch.)
     assert all(r["worker_interval_ms"] == 500 and r["client_interval_ms"] == 100
-               and r["refused_rps"] == 0 and r["sim_cores"] > 0 for r in rows)
+               and r["refused_rps"] == 0 and r["sim_cores"] > 0 for r in rows), rows
     assert all(r["offered_rps"] > 0 and r["achieved_rps"] > 0 and r["cores"] > 0 for r in rows)
     # GetSplit as the dispatcher timed it (its histogram, scraped around each window).
     assert all(r["server_split_p99_ms"] > 0 and 0 < r["server_split_within_50ms"] <= 1

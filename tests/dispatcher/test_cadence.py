@@ -443,3 +443,47 @@ def test_heartbeats_queued_for_a_handler_wait_behind_other_requests(registered: 
     finally:
         server.stop(None)
         executor.shutdown(wait=False)
+
+
+@pytest.mark.timeout(20)
+def test_only_a_wait_behind_other_requests_is_taken_for_overload() -> None:
+    """A heartbeat that found a handler thread idle but ran late (its process not scheduled
+    on a busy host) is served: refusing it would stretch a small fleet's failure detection
+    for a backlog that is not there. One that waited as long behind other requests is
+    refused, and so is one at a dispatcher busy enough that its handler threads wait for
+    the GIL (real QueuedExecutor, the service's own admission)."""
+    import threading
+    import time
+
+    service = make_service(Clock())
+    iteration_id, client = start_epoch(service)
+    executor = cadence.QueuedExecutor(max_workers=1)
+    outcomes: list[str] = []
+
+    def late_heartbeat() -> None:
+        cadence._queued.at -= 2 * cadence.MAX_QUEUED_S  # as if it ran that long after arriving
+        try:
+            service.ClientHeartbeat(client_request(service, client), RecordingContext())
+            outcomes.append("served")
+        except Refused:
+            outcomes.append("refused")
+
+    try:
+        deadline = time.monotonic() + 10
+        while executor._idle < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        executor.submit(late_heartbeat).result(10)  # a handler was idle for it
+        gate = threading.Event()
+        blocker = executor.submit(gate.wait, 10)
+        while executor._idle and time.monotonic() < deadline:
+            time.sleep(0.005)
+        queued = executor.submit(late_heartbeat)  # behind the blocked request
+        gate.set()
+        blocker.result(10)
+        queued.result(10)
+        service.cadence.cores = cadence.BUSY_CORES  # a busy dispatcher: its wait is its own
+        executor.submit(late_heartbeat).result(10)
+    finally:
+        executor.shutdown(wait=False)
+        service.close()
+    assert outcomes == ["served", "refused", "refused"]

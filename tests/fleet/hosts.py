@@ -31,7 +31,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -142,19 +141,19 @@ class HostProcess(ServerProcess):
         self.proc = subprocess.Popen(
             self.host.command(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, text=True, env=self._env, start_new_session=True)
-        threading.Thread(target=self._collect, args=(self.proc, self.lines),
-                         daemon=True).start()
+        self._follow()
 
     def wait_line(self, needle: str, timeout_s: float) -> str:
         """The first output line containing `needle`; FleetError after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            self._line_came.clear()  # a line collected from now on ends the wait below
             for line in list(self.lines):
                 if needle in line:
                     return line
             if self.proc.poll() is not None:
                 break
-            time.sleep(0.05)
+            self._line_came.wait(0.05)
         for line in list(self.lines):
             if needle in line:
                 return line

@@ -14,9 +14,11 @@ is taken for dead after LIVENESS_BEATS of them (40 s at the cap). Past its capac
 many requests in its handlers at once) the dispatcher refuses with RESOURCE_EXHAUSTED and
 a retry-after: heartbeats first, GetSplit only well past it, so heartbeats are stretched
 before splits are delayed. Capacity is measured two ways: requests in the handlers at
-once, and how long a request waited for a handler thread (QueuedExecutor): a request that
-waited past MAX_QUEUED_S is refused at once, so the latency of the requests served stays
-bounded however many arrive.
+once, and how long a request waited behind others for a handler thread (QueuedExecutor):
+one that waited past MAX_QUEUED_S is refused at once, so the latency of the requests served
+stays bounded however many arrive. (A request that found a handler idle, at a dispatcher
+using little CPU, is never refused for its wait: that was a busy host not scheduling the
+dispatcher, not a backlog of its own.)
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ REFUSED_SHARE = 0.01  # refusing more than this share of requests stretches the 
 SPLIT_RETRY_AFTER_S = 0.2
 # A request that waited this long for a handler thread is refused (heartbeats at half of it).
 MAX_QUEUED_S = 0.1
+# A dispatcher using this share of a core is busy: its waits for a handler are its own.
+BUSY_CORES = 0.5
 # The RPCs refused first (at half the capacity): what a stretched interval makes up for.
 HEARTBEATS = frozenset({"ClientHeartbeat", "WorkerHeartbeat"})
 # Refused at full capacity; every other RPC (registration, release, status) is always served.
@@ -141,14 +145,20 @@ class Cadence:
         (time.monotonic; None outside a QueuedExecutor)."""
         return getattr(_queued, "at", None)
 
-    def admit(self, method: str, queued_s: float = 0.0) -> float | None:
+    def admit(self, method: str, queued_s: float = 0.0, behind: bool = True) -> float | None:
         """Count a request in; None if admitted (call `done` after), else the retry-after (s).
-        `queued_s`: how long it waited for a handler thread."""
+        `queued_s`: how long it waited for a handler thread; `behind`: whether it waited
+        behind other requests (no handler thread was idle when it came)."""
+        # A wait is overload when the request queued behind others, or when this process is
+        # busy (its handler threads then wait for the GIL, not in the queue). Otherwise it was
+        # the host not scheduling an idle dispatcher: refusing would not mend that, and a
+        # small fleet's failure detection must not stretch for it.
+        overdue = (behind or self.cores >= BUSY_CORES) and queued_s > (
+            MAX_QUEUED_S / 2 if method in HEARTBEATS else MAX_QUEUED_S)
         with self._lock:
             heartbeat = method in HEARTBEATS
             limit = self.max_pending // 2 if heartbeat else self.max_pending
-            if method in SHEDDABLE and (self.pending >= max(1, limit) or queued_s > (
-                    MAX_QUEUED_S / 2 if heartbeat else MAX_QUEUED_S)):
+            if method in SHEDDABLE and (self.pending >= max(1, limit) or overdue):
                 self.refused += 1
                 if method == "WorkerHeartbeat":
                     return max(WORKER_DEFAULT_S, self.worker_ms / 1000)
@@ -243,7 +253,8 @@ def admitted(method: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         queued_at = getattr(_queued, "at", None)
         retry_after = self.cadence.admit(
-            name, 0.0 if queued_at is None else time.monotonic() - queued_at)
+            name, 0.0 if queued_at is None else time.monotonic() - queued_at,
+            getattr(_queued, "behind", True))
         if retry_after is not None:
             if name in HEARTBEATS:
                 self.cadence.refused_beat(name, request, self._clock())
@@ -262,21 +273,24 @@ def admitted(method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-_queued = threading.local()  # when the request this thread handles was queued
+_queued = threading.local()  # when the request this thread handles was queued, and whether
+# it was queued behind others (no handler thread idle for it)
 _admitted = threading.local()  # whether it counts as pending (Cadence.waiting_for_disk)
 
 
 class QueuedExecutor(Executor):
     """The gRPC server's handler threads, with a queue where heartbeats wait behind every
     other request (a GetSplit overtakes the heartbeats queued before it: heartbeats are
-    stretched before splits are delayed), noting when each request was queued (see
-    `admitted`): past capacity requests wait here, where no handler sees them otherwise."""
+    stretched before splits are delayed), noting when each request was queued and whether
+    it had to wait behind others (see `admitted`): past capacity requests wait here, where
+    no handler sees them otherwise."""
 
     def __init__(self, max_workers: int, thread_name_prefix: str = "grpc") -> None:
         self._cond = threading.Condition()
         self._first: deque[Callable[[], None] | None] = deque()
         self._heartbeats: deque[Callable[[], None] | None] = deque()
         self._shutdown = False
+        self._idle = 0  # handler threads waiting for a request
         self._threads = [threading.Thread(target=self._work, daemon=True,
                                           name=f"{thread_name_prefix}_{i}")
                          for i in range(max_workers)]
@@ -287,10 +301,12 @@ class QueuedExecutor(Executor):
         queued = time.monotonic()
         future: Future[Any] = Future()
 
+        behind = False
+
         def timed() -> None:
             if not future.set_running_or_notify_cancel():
                 return
-            _queued.at = queued
+            _queued.at, _queued.behind = queued, behind
             try:
                 result = fn(*args, **kwargs)
             except BaseException as error:  # noqa: BLE001 - handed to the future
@@ -302,6 +318,7 @@ class QueuedExecutor(Executor):
             if self._shutdown:
                 raise RuntimeError("cannot schedule new requests after shutdown")
             queue = self._heartbeats if _method_of(args) in HEARTBEATS else self._first
+            behind = len(self._first) + len(self._heartbeats) >= self._idle
             queue.append(timed)
             self._cond.notify()
         return future
@@ -310,7 +327,9 @@ class QueuedExecutor(Executor):
         while True:
             with self._cond:
                 while not (self._first or self._heartbeats):
+                    self._idle += 1
                     self._cond.wait()
+                    self._idle -= 1
                 task = (self._first or self._heartbeats).popleft()
             if task is None:
                 return
