@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -112,15 +112,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
     # The longest groups first: the fleet tests (minutes, one process), then the fault tests
-    # (real processes killed and restarted). Run last, they would leave the other process
-    # idle at the end (the scheduler below hands out groups in this order).
-    items.sort(key=lambda item: _start_rank(item.nodeid))
+    # (real processes killed and restarted), then the other modules with a slow test (torchrun,
+    # CLI servers); the many short modules last, to even out the two processes' ends. Run
+    # last, a long group leaves the other process idle at the end (the scheduler below hands
+    # out groups in this order).
+    slow = {run_group(item.nodeid) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: _start_rank(item.nodeid, slow))
 
 
-def _start_rank(nodeid: str) -> int:
-    if run_group(nodeid) == "fleet":
+def _start_rank(nodeid: str, slow_groups: Collection[str] = ()) -> int:
+    group = run_group(nodeid)
+    if group == "fleet":
         return 0
-    return 1 if nodeid.startswith("tests/fault/") else 2
+    if nodeid.startswith("tests/fault/"):
+        return 1
+    return 2 if group in slow_groups else 3
 
 
 def run_group(nodeid: str) -> str:

@@ -65,6 +65,7 @@ def test_the_readme_stays_short_and_links_every_page() -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # each a fresh interpreter, many an embedded service
 @pytest.mark.timeout(DEADLINE_S + 30)
 @pytest.mark.parametrize("language,code", [
     pytest.param(language, code, id=where) for where, language, code, _ in BLOCKS

@@ -38,24 +38,35 @@ def test_a_marked_test_may_start_a_process() -> None:
 def test_a_test_using_a_server_fixture_is_marked_integration() -> None:
     marks: list[pytest.MarkDecorator] = []
     uses = SimpleNamespace(fixturenames=["tmp_path", "cluster_factory"], add_marker=marks.append,
-                           nodeid="tests/test_x.py::test_a")
+                           nodeid="tests/test_x.py::test_a", get_closest_marker=lambda name: None)
     does_not = SimpleNamespace(fixturenames=["tmp_path"], add_marker=marks.append,
-                               nodeid="tests/test_x.py::test_b")
+                               nodeid="tests/test_x.py::test_b",
+                               get_closest_marker=lambda name: None)
     conftest.pytest_collection_modifyitems([uses, does_not])  # type: ignore[list-item]
     assert [mark.name for mark in marks] == ["integration"]
 
 
 def test_the_fleet_then_the_fault_tests_go_first_each_groups_tests_in_their_order() -> None:
-    items = [SimpleNamespace(fixturenames=[], add_marker=lambda mark: None, nodeid=nodeid)
-             for nodeid in ("tests/a/test_x.py::test_one", "tests/fault/test_k.py::test_k",
-                            "tests/a/test_x.py::test_two[1]",
-                            "tests/fleet/test_fleet.py::test_t", "tests/fleet/test_h.py::t")]
+    """Then the modules with a slow test (all of a module's tests together), then the rest."""
+    def item(nodeid: str, slow: bool = False) -> SimpleNamespace:
+        def marker(name: str) -> pytest.MarkDecorator | None:
+            return pytest.mark.slow if slow and name == "slow" else None
+
+        return SimpleNamespace(fixturenames=[], add_marker=lambda mark: None, nodeid=nodeid,
+                               get_closest_marker=marker)
+
+    items = [item("tests/a/test_x.py::test_one"), item("tests/b/test_s.py::test_quick"),
+             item("tests/fault/test_k.py::test_k"), item("tests/a/test_x.py::test_two[1]"),
+             item("tests/b/test_s.py::test_slow", slow=True),
+             item("tests/fleet/test_fleet.py::test_t"), item("tests/fleet/test_h.py::t")]
     conftest.pytest_collection_modifyitems(items)  # type: ignore[arg-type]
     assert [conftest.run_group(item.nodeid) for item in items] == [
-        "fleet", "fleet", "tests/fault/test_k.py", "tests/a/test_x.py", "tests/a/test_x.py"]
+        "fleet", "fleet", "tests/fault/test_k.py", "tests/b/test_s.py", "tests/b/test_s.py",
+        "tests/a/test_x.py", "tests/a/test_x.py"]
     assert [item.nodeid for item in items] == [
         "tests/fleet/test_fleet.py::test_t", "tests/fleet/test_h.py::t",
         "tests/fault/test_k.py::test_k",
+        "tests/b/test_s.py::test_quick", "tests/b/test_s.py::test_slow",
         "tests/a/test_x.py::test_one", "tests/a/test_x.py::test_two[1]"]
 
 

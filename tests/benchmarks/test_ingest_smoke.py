@@ -67,6 +67,7 @@ def test_the_simplejpeg_path_draws_the_same_crop_as_the_full_decode(size) -> Non
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ingest_runs_a_case_and_prints_its_table(tmp_path: Path) -> None:
     out = tmp_path / "ingest.json"
