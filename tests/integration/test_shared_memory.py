@@ -13,6 +13,7 @@ import re
 import sys
 
 import cloudpickle
+import numpy as np
 import pytest
 import torch
 
@@ -37,22 +38,52 @@ def segment_mappings() -> list[str]:
 
 
 def test_segment_pool_reuses_and_bounds() -> None:
-    pool = shm.SegmentPool(limit=4 << 20)
-    first = pool.acquire(1 << 20)
-    assert first is not None and first[2] is not None and len(first[1]) == 1 << 20
+    unit = 2 << 20  # segments are whole huge pages
+    pool = shm.SegmentPool(limit=4 * unit)
+    first = pool.acquire(unit // 2)
+    assert first is not None and first[2] is not None and len(first[1]) == unit
     os.close(first[2])
-    second = pool.acquire(2 << 20)
+    second = pool.acquire(2 * unit)
     assert second is not None and second[0] != first[0]
     os.close(second[2])
-    assert pool.acquire(2 << 20) is None  # 3 MB in use, 2 more would pass the limit
+    assert pool.acquire(2 * unit) is None  # 3 units in use, 2 more would pass the limit
     pool.release(first[0])
     again = pool.acquire(100)
     assert again is not None and again[0] == first[0] and again[2] is None  # reused, no new fd
     pool.release(again[0])
     pool.release(second[0])
-    third = pool.acquire(3 << 20)  # free segments are dropped to make room
+    third = pool.acquire(3 * unit)  # free segments are dropped to make room
     assert third is not None and third[2] is not None
     os.close(third[2])
+    pool.close()
+
+
+def huge_page_advice(address: int) -> bool:
+    """Whether the mapping at `address` of this process was advised MADV_HUGEPAGE (its
+    VmFlags in /proc/self/smaps carry "hg")."""
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return "hg" in line.split()
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+def test_segments_ask_for_huge_pages() -> None:
+    """So that, where the host allows shared-memory huge pages, sendfile and the reader's
+    receive walk 2 MiB folios (worker/shm.py)."""
+    pool = shm.SegmentPool()
+    seg_id, mapping, fd = pool.acquire(9_633_792)
+    assert fd is not None
+    os.close(fd)
+    assert len(mapping) % (2 << 20) == 0
+    address = np.frombuffer(mapping, dtype=np.uint8).ctypes.data
+    assert huge_page_advice(address)
+    pool.release(seg_id)
     pool.close()
 
 
