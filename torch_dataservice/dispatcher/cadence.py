@@ -301,7 +301,7 @@ class QueuedExecutor(Executor):
         queued = time.monotonic()
         future: Future[Any] = Future()
 
-        behind = False
+        behind = False  # set below, under the lock, before the request can run
 
         def timed() -> None:
             if not future.set_running_or_notify_cancel():

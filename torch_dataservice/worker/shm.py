@@ -19,9 +19,9 @@ and the memory returns to the system when both sides dropped their mappings.
 Segments ask for transparent huge pages (`madvise(MADV_HUGEPAGE)`, sizes in whole 2 MiB). Where
 the host allows them for shared memory (`/sys/kernel/mm/transparent_hugepage/shmem_enabled`
 at `advise` or more; many kernels default to `never`, and then nothing changes), the front's
-sendfile and the reader's receive walk 2 MiB folios instead of 4 KiB pages: on a 2-core
-host a 9.6 MB batch's TCP receive took half the CPU (benchmarks/big_payload.py,
-docs/operations.md).
+sendfile and the reader's receive walk 2 MiB folios instead of 4 KiB pages (in a bare
+sendfile-to-recv loop of 9.6 MB batches, about half the CPU on each end; through the worker,
+mostly the front's share: docs/performance.md).
 """
 
 from __future__ import annotations
