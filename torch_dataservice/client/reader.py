@@ -5,12 +5,13 @@ heartbeats, the task table), how each task's worker is reached (client/transport
 exactly-once bookkeeping under DYNAMIC (client/delivery.py) and, for coordinated reads, the
 rounds protocol (client/rounds.py). Here: fetch threads, at most `max_outstanding_requests`,
 each take a task round-robin (local tasks first under target_workers "AUTO"), ask its worker
-for a batch of elements and queue it; a slot is only freed when the consumer has taken the
-whole batch, so memory stays bounded by `max_outstanding_requests` fetches. A task has one
-fetch in flight, or two once the reply's header announces big payloads (PIPELINE_BYTES): the
-next request then travels while the payloads stream in, and batches are handed on in the
-order their fetches started, so a task's elements keep the worker's order. Elements are
-decoded in the consumer's thread. Coordinated reads use the one rounds thread instead.
+for a batch of elements (what the consumer takes in about half a second: client/pace.py) and
+queue it; a slot is only freed when the consumer has taken the whole batch, so memory stays
+bounded by `max_outstanding_requests` fetches. A task has one fetch in flight, or two once
+the reply's header announces big payloads (PIPELINE_BYTES): the next request then travels
+while the payloads stream in, and batches are handed on in the order their fetches started,
+so a task's elements keep the worker's order. Elements are decoded in the consumer's thread.
+Coordinated reads use the one rounds thread instead.
 
 target_workers: "LOCAL" reads only workers on this host; "AUTO" means LOCAL under static
 sharding (FILE, DATA, FILE_OR_DATA, HINT) and every worker otherwise; "ANY" reads every worker.
@@ -48,6 +49,7 @@ from torch_dataservice.client.data_port import DataPortError, DataPortPool
 from torch_dataservice.client.delivery import Batch, Delivery, split_tags
 from torch_dataservice.client.figures import ReaderFigures
 from torch_dataservice.client.membership import HEARTBEAT_INTERVAL_S, Membership, TaskState
+from torch_dataservice.client.pace import FetchPace
 from torch_dataservice.client.rounds import CoordinatedRounds
 from torch_dataservice.client.transports import Transport
 from torch_dataservice.errors import RemoteError, ServiceUnavailableError, is_retryable
@@ -61,7 +63,6 @@ from torch_dataservice.wire.inprocess import LocalElement
 
 logger = logging.getLogger(__name__)
 
-FETCH_MAX_ELEMENTS = 512
 FETCH_MAX_BYTES = 8 << 20
 UNREACHABLE_BACKOFF_S = 0.2
 # An in-process worker that does not know a task yet gets it from the dispatcher's push within
@@ -121,6 +122,7 @@ class IterationReader:
         self._next_task = itertools.count()
         self._in_flight = 0
         self._results: queue.Queue[Batch] = queue.Queue()
+        self._pace = FetchPace()  # how many elements a fetch asks for (client/pace.py)
         self._slots = threading.BoundedSemaphore(self._max_outstanding)
         self._current: Batch | None = None
         self._pause_checked = 0.0  # the answered_at a pause was checked at (_after_pause)
@@ -261,7 +263,7 @@ class IterationReader:
                ticket: int | None = None) -> Batch | None:
         request = worker_pb2.GetElementsRequest(
             task_id=state.info.task_id, client_id=self.client_id,
-            max_elements=FETCH_MAX_ELEMENTS, max_bytes=FETCH_MAX_BYTES,
+            max_elements=self._pace.max_elements(), max_bytes=FETCH_MAX_BYTES,
             trainer_id=self._trainer_id)
         if round_index is not None:
             request.consumer_index = self._consumer_index
@@ -434,6 +436,7 @@ class IterationReader:
             self._current = None
             self._slots.release()
         self._figures.took()
+        self._pace.took()
         if type(payload) is LocalElement:
             return payload.take()  # the object itself: no decode, no copy
         return codec.decode(payload, borrow=batch.borrow)
