@@ -23,8 +23,9 @@ from tests.fleet.many_readers import HOSTS, measure, run_readers
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # servers as subprocesses, in namespaces
 
-N = 8000  # 125 elements per reader
-RATE = 25.0  # elements/s per reader: the epoch lasts about 5 s however fast the machine
+N = 16_000  # 250 elements per reader
+RATE = 25.0  # elements/s per reader: the epoch lasts about 10 s however fast the machine (a
+# few heartbeats even if the dispatcher stretches the readers to 2 s)
 BUDGET_RPS = 130  # 4 workers + 64 readers: readers at 498 ms, workers at 2.5 s
 
 
