@@ -11,9 +11,8 @@ FETCH_MAX_ELEMENTS: a fast consumer still gets 512 a reply, and a slow one holds
 few of its own seconds. (tf.data service asks one element per request.)
 
 Starting from the floor costs a fast consumer little: a starved consumer takes what arrives,
-and `max_outstanding_requests` fetches of FETCH_MIN_ELEMENTS each per round trip is far more
-than PACE_S of a millisecond's round trips, so the estimate climbs to the ceiling within a few
-updates.
+and `max_outstanding_requests` fetches of FETCH_MIN_ELEMENTS per round trip of a millisecond
+bring tens of thousands a second, so the estimate climbs within a few updates.
 """
 
 from __future__ import annotations
