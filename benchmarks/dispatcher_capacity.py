@@ -27,6 +27,12 @@ event-loop lag), the RPCs answered and refused against those offered (GetSplit: 
 the stocks made, a retry of one not counted again; heartbeats: every attempt, at the
 intervals in force, which move during a window; `attempted_rps` counts every attempt).
 
+One more worker, the probe, runs in a process of its own at a higher priority (nice -10) and
+asks one split per GetSplit about 20 times a second: its latency is a GetSplit's end to end,
+gRPC's own queue included, without the simulators' event-loop lag (which the stubs' figures
+include when the simulators fill their cores). The dispatcher's own timing (its histogram,
+from a request's arrival in its handler queue to its reply) is reported beside it.
+
 Baseline, same run: the offered load itself (achieved/offered) and the budget of a core.
 "sustains" = the dispatcher used <= 1 core and answered >= 95% of the offered RPCs. The
 simulators share the machine with the dispatcher (2 cores here): latency includes their
@@ -80,6 +86,10 @@ NUM_SPLITS = DATASET_ELEMENTS // SPLIT_SIZE
 STOCK_DEPTH = stock_depth(WorkerConfig.split_prefetch, NUM_SPLITS)
 PEERS_PER_CHANNEL = 10  # simulated peers sharing one HTTP/2 connection
 BUDGET_CORES = 1.0
+# The probe: one more worker, in its own process at a higher priority than the simulators,
+# asking one split per GetSplit at this rate (~20 GetSplit/s, ~3% of a big fleet's requests).
+PROBE_SPLIT_RATE = 20.0
+PROBE_NICE = -10
 GROW_TIMEOUT_S = 300  # default --grow-timeout: thousands of peers join while some are refused
 
 
@@ -321,7 +331,14 @@ class Sim:
                 "intervals": (self.worker_interval_s, self.client_interval_s)}
 
 
-def _sim_main(address: str, index: int, split_rate: float, max_per_ask: int, conn) -> None:
+def _sim_main(address: str, index: int, split_rate: float, max_per_ask: int, conn,
+              nice: int = 0) -> None:
+    if nice:
+        try:
+            os.nice(nice)
+        except PermissionError:  # not root: the probe's latency then includes the simulators'
+            print("(the probe could not raise its priority: its latency includes the "
+                  "simulators' CPU contention)", file=sys.stderr)
     asyncio.run(_sim_loop(Sim(address, index, split_rate, max_per_ask), conn))
 
 
@@ -349,13 +366,15 @@ async def _sim_loop(sim: Sim, conn) -> None:
 
 
 class Sims:
-    def __init__(self, address: str, n: int, split_rate: float, max_per_ask: int) -> None:
+    def __init__(self, address: str, n: int, split_rate: float, max_per_ask: int,
+                 first_index: int = 0, nice: int = 0) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conns, self.procs = [], []
-        for i in range(n):
+        for i in range(first_index, first_index + n):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_sim_main,
-                               args=(address, i, split_rate, max_per_ask, child), daemon=True)
+                               args=(address, i, split_rate, max_per_ask, child, nice),
+                               daemon=True)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -508,6 +527,13 @@ class Row:
     # GetSplit as the dispatcher timed it (its queue, handling and journal; accepted ones)
     server_split_p99_ms: float = float("nan")  # interpolated in its histogram bucket
     server_split_within_50ms: float = float("nan")  # share answered within 50 ms
+    # GetSplit as one more worker saw it, end to end, from a process of its own that the
+    # scheduler favours over the simulators (PROBE_NICE): gRPC's own queue included, the
+    # simulators' event-loop lag not
+    probe_split_p50_ms: float = float("nan")
+    probe_split_p99_ms: float = float("nan")
+    probe_splits: int = 0  # its answered GetSplit requests in the window
+    probe_lag_p99_ms: float = float("nan")  # its own event loop's lag
 
     @property
     def sustained(self) -> bool:
@@ -528,10 +554,13 @@ def run_mode(mode: str, sizes: list[tuple[int, int]], seconds: float, ramp: floa
     rows: list[Row] = []
     work_dir = tempfile.mkdtemp(prefix="tds-capacity-") if mode == "journal" else None
     dispatcher = Dispatcher(work_dir, dispatcher_args, dispatcher_core)
-    sims = None
+    sims = probe = None
     try:
         job_id = create_job(dispatcher.address, mode)
         sims = Sims(dispatcher.address, procs, split_rate, max_per_ask)
+        probe = Sims(dispatcher.address, 1, PROBE_SPLIT_RATE, 1, first_index=procs,
+                     nice=PROBE_NICE)
+        probe.grow(1, 0, job_id, grow_timeout_s)
         for workers, clients in sizes:
             grow_began = time.perf_counter()
             try:
@@ -551,6 +580,7 @@ def run_mode(mode: str, sizes: list[tuple[int, int]], seconds: float, ramp: floa
             server_p99, within_50ms = histogram_quantile(
                 histogram0, dispatcher.split_histogram(), 0.99)
             stats = sims.stats(t0, t1)
+            [probed] = probe.stats(t0, t1)
             wall = t1 - t0
             counts: dict[str, int] = {}
             latencies: list[float] = []
@@ -588,14 +618,19 @@ def run_mode(mode: str, sizes: list[tuple[int, int]], seconds: float, ramp: floa
                       sum(granted) / len(granted) if granted else float("nan"),
                       1000 * percentile(latencies, 0.5), 1000 * percentile(latencies, 0.99),
                       errors, 1000 * worker_s, 1000 * client_s, 1000 * percentile(lags, 0.99),
-                      1000 * server_p99, within_50ms)
+                      1000 * server_p99, within_50ms,
+                      1000 * percentile(probed["split_latencies"], 0.5),
+                      1000 * percentile(probed["split_latencies"], 0.99),
+                      len(probed["split_latencies"]), 1000 * percentile(probed["lags"], 0.99))
             rows.append(row)
             log(f"  {mode}: {workers} workers + {clients} clients: dispatcher "
                 f"{row.cores:.2f} cores (simulators {row.sim_cores:.2f}), "
                 f"GetSplit p50 {row.split_p50_ms:.1f} ms p99 {row.split_p99_ms:.1f} ms "
                 f"({row.splits_per_ask:.1f} splits each; as the dispatcher timed it p99 "
                 f"{row.server_split_p99_ms:.0f} ms, {100 * row.server_split_within_50ms:.1f}% "
-                "within 50 ms), "
+                f"within 50 ms; the probe's p50 {row.probe_split_p50_ms:.1f} ms p99 "
+                f"{row.probe_split_p99_ms:.1f} ms over {row.probe_splits} GetSplits, its loop "
+                f"lag p99 {row.probe_lag_p99_ms:.0f} ms), "
                 f"RPCs {achieved:,.0f}/{offered:,.0f} per s ({row.attempted_rps:,.0f} "
                 f"attempts), refused {row.refused_rps:,.0f}/s, "
                 f"intervals {row.worker_interval_ms:.0f}/{row.client_interval_ms:.0f} ms, "
@@ -604,8 +639,9 @@ def run_mode(mode: str, sizes: list[tuple[int, int]], seconds: float, ramp: floa
                 log(f"  {mode}: above {stop_cores} cores: larger steps skipped")
                 break
     finally:
-        if sims is not None:
-            sims.close()
+        for simulators in (sims, probe):
+            if simulators is not None:
+                simulators.close()
         dispatcher.close()
         if work_dir:
             shutil.rmtree(work_dir, ignore_errors=True)
@@ -615,7 +651,8 @@ def run_mode(mode: str, sizes: list[tuple[int, int]], seconds: float, ramp: floa
 def print_table(rows: list[Row]) -> None:
     header = (f"{'mode':<8} {'workers':>7} {'clients':>7} {'disp cores':>10} {'sim cores':>9} "
               f"{'RSS MB':>7} {'RPC/s done/offered':>19} {'refused/s':>9} {'GetSplit/s':>10} "
-              f"{'p50 ms':>7} {'p99 ms':>7} {'srv p99':>7} {'<=50ms':>6} {'splits/ask':>10} "
+              f"{'p50 ms':>7} {'p99 ms':>7} {'srv p99':>7} {'<=50ms':>6} {'probe p99':>9} "
+              f"{'splits/ask':>10} "
               f"{'hb ms w/c':>11} {'errors':>6}  <=1 core")
     print(header)
     print("-" * len(header))
@@ -625,7 +662,8 @@ def print_table(rows: list[Row]) -> None:
         print(f"{r.mode:<8} {r.workers:>7} {r.clients:>7} {r.cores:>10.2f} {r.sim_cores:>9.2f} "
               f"{r.rss_mb:>7.0f} {done:>19} {r.refused_rps:>9,.0f} {r.split_rps:>10,.0f} "
               f"{r.split_p50_ms:>7.1f} {r.split_p99_ms:>7.1f} {r.server_split_p99_ms:>7.1f} "
-              f"{100 * r.server_split_within_50ms:>5.1f}% {r.splits_per_ask:>10.1f} "
+              f"{100 * r.server_split_within_50ms:>5.1f}% {r.probe_split_p99_ms:>9.1f} "
+              f"{r.splits_per_ask:>10.1f} "
               f"{intervals:>11} {r.errors:>6}  "
               f"{'yes' if r.sustained else 'NO'}")
 

@@ -44,3 +44,6 @@ def test_dispatcher_capacity_runs_and_prints_its_table(tmp_path: Path) -> None:
     # GetSplit as the dispatcher timed it (its histogram, scraped around each window).
     assert all(r["server_split_p99_ms"] > 0 and 0 < r["server_split_within_50ms"] <= 1
                for r in rows)
+    # GetSplit end to end, as one more worker in a favoured process of its own saw it.
+    assert all(r["probe_splits"] > 0 and r["probe_split_p99_ms"] >= r["probe_split_p50_ms"] > 0
+               for r in rows), rows
