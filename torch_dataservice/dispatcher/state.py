@@ -80,6 +80,18 @@ class Task:
     last_split: dict[int, tuple[int, tuple[tuple[int, int], ...]]] = field(
         default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # Whether a compaction's copy of the state shares `splits` (snapshot.py copies the
+        # state under the dispatcher's lock; sharing what it would copy keeps that short).
+        # Derived (not a field): a shared set is copied before it changes (own_splits).
+        self.splits_shared = False
+
+    def own_splits(self) -> set[tuple[int, int]]:
+        """`splits`, to change: copied first if a compaction's copy still shares it."""
+        if self.splits_shared:
+            self.splits, self.splits_shared = set(self.splits), False
+        return self.splits
+
 
 @dataclass
 class RequeuedSplit:
@@ -120,15 +132,29 @@ class Iteration:
         # requeued at a cost that does not grow with the iteration's tasks. Derived (not a
         # field: neither snapshotted nor compared); snapshot.py rebuilds it.
         self.holders: dict[tuple[int, int], set[int]] = {}
+        # The splits whose offset sets in `delivered` a compaction's copy may still share:
+        # such a set is copied before it changes (offsets_to_change), never changed in place.
+        self.shared_offsets: set[tuple[int, int]] = set()
 
     def hold(self, task: Task, key: tuple[int, int]) -> None:
-        task.splits.add(key)
+        task.own_splits().add(key)
         self.holders.setdefault(key, set()).add(task.task_id)
 
     def release(self, tasks: dict[int, Task], key: tuple[int, int]) -> None:
         """No task holds split `key` any more."""
         for task_id in self.holders.pop(key, ()):
-            tasks[task_id].splits.discard(key)
+            tasks[task_id].own_splits().discard(key)
+
+    def offsets_to_change(self, key: tuple[int, int]) -> set[int]:
+        """The offsets received of split `key` (tracked from now on if it was not), to add
+        to: copied first if a compaction's copy may still share them."""
+        offsets = self.delivered.get(key)
+        if offsets is None:
+            offsets = self.delivered[key] = set()
+        elif key in self.shared_offsets:
+            self.shared_offsets.discard(key)
+            offsets = self.delivered[key] = set(offsets)
+        return offsets
 
 
 @dataclass
@@ -276,7 +302,7 @@ class DispatcherState:
             else:
                 iteration.cursor_index = u.split_index + 1
                 self._step_over_ahead(iteration, config)
-            iteration.delivered.setdefault(key, set()).update(
+            iteration.offsets_to_change(key).update(
                 resume.consumed_offsets(config, u.repetition, u.split_index))
         if task is not None and u.split_index >= 0:
             iteration.hold(task, key)
@@ -322,9 +348,8 @@ class DispatcherState:
             return
         for received in u.splits:
             key = (received.split.repetition, received.split.index)
-            offsets = iteration.delivered.get(key)
-            if offsets is not None:
-                offsets.update(received_offsets(received))
+            if key in iteration.delivered:
+                iteration.offsets_to_change(key).update(received_offsets(received))
                 self._settle_if_delivered(iteration, key)
                 continue
             # Still waiting to be handed again: what arrives late still counts as delivered.
@@ -410,7 +435,7 @@ class DispatcherState:
         iteration.garbage_collected = True
         for task_id in iteration.task_ids:
             self._finish_task(self.tasks[task_id])
-            self.tasks[task_id].splits.clear()  # memory: the split bookkeeping goes too
+            self.tasks[task_id].own_splits().clear()  # memory: the split bookkeeping goes too
         iteration.holders.clear()
         iteration.delivered.clear()
         iteration.produced.clear()
