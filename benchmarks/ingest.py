@@ -44,11 +44,13 @@ import contextlib
 import io
 import json
 import os
+import select
 import signal
 import statistics
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -410,17 +412,26 @@ for _ in sys.stdin:
     print(1000 * (time.process_time() - start) / len(blobs), flush=True)
 '''
 
+    TIMEOUT_S = 600  # tensorflow's import, or one pass over the images
+
     def __init__(self, python: str, paths: list[str]) -> None:
+        # Its log goes to a file: a pipe nobody reads while we wait for a line could fill.
+        self.log = tempfile.TemporaryFile("w+")
         self.process = subprocess.Popen([python, "-c", self.SCRIPT, *paths], text=True,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, preexec_fn=_pinned([0]))
+                                        stderr=self.log, preexec_fn=_pinned([0]))
         self._line("ready")
 
     def _line(self, expect: str | None = None) -> str:
-        line = self.process.stdout.readline().strip()
+        """Its next line, within TIMEOUT_S; RuntimeError with its log's end otherwise."""
+        ready, _, _ = select.select([self.process.stdout], [], [], self.TIMEOUT_S)
+        line = self.process.stdout.readline().strip() if ready else ""
         if not line or (expect and line != expect):
             self.process.kill()
-            raise RuntimeError(f"tensorflow kernels failed: {self.process.stderr.read()[-2000:]}")
+            self.process.wait(timeout=60)
+            self.log.seek(0)
+            waited = "" if ready else f"no answer in {self.TIMEOUT_S} s; "
+            raise RuntimeError(f"tensorflow kernels failed: {waited}{self.log.read()[-2000:]}")
         return line
 
     def round(self) -> float:
@@ -432,6 +443,7 @@ for _ in sys.stdin:
     def close(self) -> None:
         self.process.stdin.close()
         self.process.wait(timeout=60)
+        self.log.close()
 
 
 def kernel_costs(paths: list[str], count: int, rounds: int,
