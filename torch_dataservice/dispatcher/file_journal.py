@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torch_dataservice.dispatcher import gc_pacing
 from torch_dataservice.dispatcher.snapshot import copy_for_snapshot, snapshot_update
 from torch_dataservice.errors import JournalCorruptError
 from torch_dataservice.proto import dispatcher_pb2
@@ -352,7 +353,8 @@ class FileJournal:
     def _start_generation(self, state: Any) -> tuple[Any, int]:
         """Copy `state` and continue in a new log; the old one is fsynced (sync() returns at
         once for a generation that has ended). Returns the copy and the new generation."""
-        copy = copy_for_snapshot(state)
+        with gc_pacing.bulk():
+            copy = copy_for_snapshot(state)
         with self._sync_lock, self._lock:
             os.fsync(self._fd)
             generation = self._generation + 1

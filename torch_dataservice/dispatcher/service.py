@@ -466,9 +466,10 @@ class DispatcherService(dispatcher_pb2_grpc.DispatcherServiceServicer):
         return self.cluster_status()
 
     def cluster_status(self) -> status_pb2.GetClusterStatusResponse:
-        with self._lock:
-            reply = status.cluster_status(self._state, self._soft, self._observe, self._clock(),
-                                          self._worker_timeout())
+        with self._lock:  # only the inputs: the reply is built after (status.StatusView)
+            view = status.gather(self._state, self._soft, self._observe, self._clock())
+            worker_timeout_s = self._worker_timeout()
+        reply = status.build(view, worker_timeout_s)
         self._cadence.fill(reply.load)
         return reply
 

@@ -28,6 +28,7 @@ from torch_dataservice.proto import common_pb2, dispatcher_pb2, snapshot_pb2
 
 DispatcherSnapshot = snapshot_pb2.DispatcherSnapshot
 Update = dispatcher_pb2.Update
+_T = TypeVar("_T")
 _S = DispatcherSnapshot
 
 # Raise when a change would make an older reader misread a snapshot (and teach from_proto to
@@ -80,9 +81,10 @@ def _task(task: Task) -> snapshot_pb2.DispatcherSnapshot.Task:
 
 def _iteration(it: Iteration) -> snapshot_pb2.DispatcherSnapshot.Iteration:
     # Columns of plain integers (schema 4): a message per split cost a compaction of a
-    # thousand workers' stocks (80,000 splits handed, not settled) a second of CPU.
+    # thousand workers' stocks (80,000 splits handed, not settled) a second of CPU. Filled
+    # from generators, not lists: a list of tens of thousands of entries is walked by every
+    # young collection while it lives (10-20 ms each, whichever thread collects).
     delivered = it.delivered
-    offsets = [sorted(o) if len(o) > 1 else o for o in delivered.values()]
     produced = it.produced
     return _S.Iteration(
         iteration_id=it.iteration_id, job_id=it.job_id, repetition=it.repetition,
@@ -93,13 +95,14 @@ def _iteration(it: Iteration) -> snapshot_pb2.DispatcherSnapshot.Iteration:
         requeued=[_S.RequeuedSplit(split=_key((r.repetition, r.index)),
                                    delivered_offsets=sorted(r.delivered_offsets))
                   for r in it.requeued],
-        delivered_repetitions=[key[0] for key in delivered],
-        delivered_indices=[key[1] for key in delivered],
-        delivered_offset_counts=[len(o) for o in offsets],
-        delivered_offsets=[offset for o in offsets for offset in o],
-        produced_repetitions=[key[0] for key in produced],
-        produced_indices=[key[1] for key in produced],
-        produced_elements=list(produced.values()),
+        delivered_repetitions=(key[0] for key in delivered),
+        delivered_indices=(key[1] for key in delivered),
+        delivered_offset_counts=(len(o) for o in delivered.values()),
+        delivered_offsets=(offset for o in delivered.values()
+                           for offset in (sorted(o) if len(o) > 1 else o)),
+        produced_repetitions=(key[0] for key in produced),
+        produced_indices=(key[1] for key in produced),
+        produced_elements=produced.values(),
         size_runs=[_S.SizeRun(repetition=repetition, first=first, end=end, num_elements=n)
                    for repetition, first, end, n in it.sizes.runs()],
         removals=[common_pb2.RemovedTasks(round=r, task_ids=tasks) for r, tasks in it.removals],
@@ -118,7 +121,7 @@ def copy_for_snapshot(state: DispatcherState) -> DispatcherState:
     copied = DispatcherState(
         datasets={k: replace(d) for k, d in state.datasets.items()},
         dataset_by_fingerprint=dict(state.dataset_by_fingerprint),
-        workers={k: replace(w, task_ids=set(w.task_ids)) for k, w in state.workers.items()},
+        workers={k: _copy_worker(w) for k, w in state.workers.items()},
         jobs={k: replace(j) for k, j in state.jobs.items()},
         job_by_name=dict(state.job_by_name),
         iterations={k: _copy_iteration(it) for k, it in state.iterations.items()},
@@ -130,9 +133,25 @@ def copy_for_snapshot(state: DispatcherState) -> DispatcherState:
     return copied
 
 
+def _shallow(value: _T) -> _T:
+    """A copy sharing every attribute of `value`, a dataclass: `dataclasses.replace` runs
+    `__init__` again, several times slower, for each of thousands of workers and tasks."""
+    copied = object.__new__(type(value))
+    copied.__dict__.update(value.__dict__)
+    return copied
+
+
+def _copy_worker(worker: Worker) -> Worker:
+    copied = _shallow(worker)
+    copied.task_ids = set(worker.task_ids)
+    return copied
+
+
 def _share_task(task: Task) -> Task:
-    task.splits_shared = True
-    return replace(task, last_split=dict(task.last_split))
+    task.splits_shared = True  # the copy's `splits` is this one: copied before it changes
+    copied = _shallow(task)
+    copied.last_split = dict(task.last_split)
+    return copied
 
 
 def _copy_iteration(it: Iteration) -> Iteration:
