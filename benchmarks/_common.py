@@ -45,7 +45,10 @@ def child_env(*paths: str, **extra: str) -> dict[str, str]:
 def spawn_server(args: Sequence[str], env: dict[str, str] | None = None,
                  log_level: str = "WARNING", **popen: Any) -> tuple[subprocess.Popen, str]:
     """`python -m torch_dataservice ARGS` once it printed 'serving at ADDRESS': (process,
-    ADDRESS without grpc://). A server that prints anything else first is killed."""
+    ADDRESS without grpc://). A server that prints anything else first is killed. It runs in
+    this checkout's root: `python -m` imports the package from its working directory before
+    PYTHONPATH, so a benchmark of another checkout run from this one would time this one's."""
+    popen.setdefault("cwd", ROOT)
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch_dataservice", "--log-level", log_level, *args],
         stdout=subprocess.PIPE, text=True, env=env or child_env(), **popen)

@@ -252,15 +252,15 @@ def servers(workers: list[tuple[list[int], int]], dispatcher_cores: list[int]
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    python = [sys.executable, "-m", "torch_dataservice"]
+    python = [sys.executable, "-m", "torch_dataservice"]  # from ROOT: `-m` imports from cwd
     children = [subprocess.Popen(
-        [*python, "dispatcher", "--host", "127.0.0.1", "--port", str(port)], env=env,
+        [*python, "dispatcher", "--host", "127.0.0.1", "--port", str(port)], env=env, cwd=ROOT,
         preexec_fn=_pinned(dispatcher_cores), stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL)]
     for cores, processes in workers:
         children.append(subprocess.Popen(
             [*python, "worker", "--dispatcher", f"127.0.0.1:{port}", "--host", "127.0.0.1",
-             "--processes", str(processes)], env=env, preexec_fn=_pinned(cores),
+             "--processes", str(processes)], env=env, cwd=ROOT, preexec_fn=_pinned(cores),
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     try:
         _wait_for_workers(f"127.0.0.1:{port}", len(workers))
@@ -282,7 +282,7 @@ def _wait_for_workers(address: str, count: int, timeout_s: float = 90.0) -> None
     while time.monotonic() < deadline:
         out = subprocess.run(
             [sys.executable, "-m", "torch_dataservice", "status", "--dispatcher", address,
-             "--json"], capture_output=True, text=True, timeout=60,
+             "--json"], capture_output=True, text=True, timeout=60, cwd=ROOT,
             env=dict(os.environ, PYTHONPATH=ROOT))
         if out.returncode == 0 and len(json.loads(out.stdout).get("workers", [])) >= count:
             return

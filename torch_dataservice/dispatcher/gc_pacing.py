@@ -1,22 +1,20 @@
 """Short garbage-collector pauses for a long-lived server with a big heap.
 
-CPython's full collection walks every tracked object in the old generation while holding the
-GIL. A dispatcher of a thousand workers and thousands of readers holds a million objects or
-more, almost all of them its state (long-lived), and each full collection stopped every
-handler for 150 ms: eleven such pauses in a minute were the p99 of GetSplit
-(benchmarks/dispatcher_capacity.py, 1,000 workers + 4,096 clients). Freezing (`gc.freeze`)
-the survivors of each full collection left the objects promoted in between: the bookkeeping
-of every split in flight (two sets each, alive for seconds) made 36,000-49,000 of them every
-5-10 s, and each full collection still took 20-75 ms, one of the slowest GetSplits each time.
-So the survivors of every collection of the middle generation are frozen as they are
-promoted: the old generation stays empty, and CPython starts no full collection of its own
-(freezing starts its counts again), so the sweep below is the only one.
+CPython's full collection walks every tracked object while holding the GIL. A dispatcher of a
+thousand workers and thousands of readers holds a million objects or more, almost all of them
+its state (long-lived), and each full collection stopped every handler for 150 ms: eleven
+such pauses in a minute were the p99 of GetSplit (benchmarks/dispatcher_capacity.py, 1,000
+workers + 4,096 clients). So after each full collection the survivors are frozen
+(`gc.freeze`): later collections walk only what came after them. (Those still take 20-75 ms
+there, every 3-10 s: each split in flight keeps two sets for seconds, and they are promoted
+in between. Freezing the survivors of every middle-generation collection as well removed
+those, but cost a small fleet a fifth of its DYNAMIC throughput, `throughput.py` row (e), in
+10 alternated pairs of 11: not kept.)
 
 Frozen objects are still freed by reference counting; only a cycle among them that dies
 later waits, until the next sweep (`gc.unfreeze` and a full collection, one long pause) every
-`sweep_every_s`. So garbage cycles are bounded by what a server makes in that time (the
-dispatcher makes almost none: 88 objects in 15 s under `gc.DEBUG_SAVEALL` at that size), and
-the long pauses come once per sweep instead of every few seconds.
+`sweep_every_s`. So garbage cycles are bounded by what a server makes in that time, and the
+long pauses come once per sweep instead of every few seconds.
 
 Only for a process that is the server (the CLI's dispatcher): in a user's process the heap
 and its collector are the user's.
@@ -58,8 +56,7 @@ def bulk() -> Iterator[None]:
 
 
 class GcPacing:
-    """Freeze the survivors of each collection of the older generations; sweep everything
-    every `sweep_every_s`."""
+    """Freeze the survivors of each full collection; sweep everything every `sweep_every_s`."""
 
     def __init__(self, sweep_every_s: float = SWEEP_EVERY_S) -> None:
         if not sweep_every_s > 0:
@@ -90,10 +87,8 @@ class GcPacing:
 
     def _on_collection(self, phase: str, info: dict[str, Any]) -> None:
         # Runs on whichever thread collected, at the end of the collection: freezing only
-        # moves the survivors' list, so it costs nothing like the walk just done. After a
-        # collection of generation 1 or 2 the younger ones are empty: what is frozen is what
-        # just survived it.
-        if phase == "stop" and info["generation"] >= 1:
+        # moves the survivors' list, so it costs nothing like the walk just done.
+        if phase == "stop" and info["generation"] == 2:
             gc.freeze()
             self.freezes += 1
 
