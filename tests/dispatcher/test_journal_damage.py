@@ -11,6 +11,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,14 @@ def _flip_record(path: Path, number: int) -> int:
 
 def _journal(work_dir: Path) -> Path:
     return work_dir / JOURNAL_DIR
+
+
+def _records_after_creation(log: Path) -> int:
+    """Whole records in `log` after the first iteration's creation (-1: not created yet)."""
+    records = scan_records(log)[0]
+    kinds = [kinds_of(Update.FromString(record)) for record in records]
+    created = next((i for i, k in enumerate(kinds) if "create_iteration" in k), None)
+    return -1 if created is None else len(records) - created - 1
 
 
 def test_a_record_damaged_mid_log_refuses_to_start_naming_file_and_offset(
@@ -143,13 +152,19 @@ def test_readers_of_an_iteration_cut_by_recovery_get_an_error_not_data_again(
     try:
         reader = iter(tds.Pipeline.range(100_000).apply(tds.distribute(
             "distributed_epoch", dispatcher.target, job_name="cut")))
-        for _ in range(50):
-            next(reader)
+        log = _journal(tmp_path) / "log_0"
+        # Read until the log holds two records after the iteration's creation (one GetSplit
+        # may hand all that 50 elements need before a reader's acknowledgement is journaled).
+        deadline = time.monotonic() + 30
+        while _records_after_creation(log) < 2:
+            assert time.monotonic() < deadline, "the log holds no records after the iteration"
+            for _ in range(50):
+                next(reader)
         dispatcher.stop()
         # The first record after the iteration's creation: the iteration survives the cut,
         # what it handed out after does not.
-        log = _journal(tmp_path) / "log_0"
-        created = next(i for i, record in enumerate(scan_records(log)[0])
+        records = scan_records(log)[0]
+        created = next(i for i, record in enumerate(records)
                        if "create_iteration" in kinds_of(Update.FromString(record)))
         _flip_record(log, created + 1)
         dispatcher = tds.DispatchServer(_config(tmp_path, port=port,
